@@ -1,0 +1,131 @@
+"""The connector protocol between a request manager and its external tiers (DESIGN §5).
+
+A connector holds copies of published device blocks outside the device pool
+(host memory, disk, a remote store). The manager owns the device buffers and
+calls the connector in a fixed order per step: ``load`` (inside ``alloc``),
+``offload`` (posted at ``runtime_inputs`` or ``poll_transfers``), then the
+forward. A connector never publishes into the device prefix cache itself: the
+manager publishes an onloaded page only after its transfer lands.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from ._manager_types import ByteCount, CompletedTransfer, KVCacheMetrics, KVCacheParams, KVTransfer
+
+__all__ = ["KVConnector", "NullConnector"]
+
+
+@runtime_checkable
+class KVConnector(Protocol):
+    """What a manager needs from its tiers.
+
+    Arguments shared by the methods:
+
+    block_ids : int [n]
+        Device block ids of the replica (never 0, the null block).
+    hashes : sequence of bytes [n]
+        Chained block hashes (``kvspec.hashing``), root-anchored and in order.
+    tokens : int32 [n, page_size]
+        Token ids of each block; stored with the copy and compared on load,
+        so a hash collision or a corrupted copy is a refused load, never wrong K/V.
+    replica_idx : int
+        The replica whose device buffer the block ids index.
+    """
+
+    name: str
+
+    def attach(self, buffers: Sequence[np.ndarray], params: KVCacheParams) -> None:
+        """Bind the device buffers (one per replica, ``[num_blocks, 2, num_layers,
+        page_size, kv_heads, head_dim]``) before first use."""
+
+    def lookup(self, hashes: Sequence[bytes], tokens: np.ndarray, replica_idx: int = 0) -> int:
+        """Number of leading blocks of ``hashes`` the tiers hold. Advisory:
+        reserves and pins nothing; a later ``load`` may still be refused."""
+
+    def load(
+        self, block_ids: Sequence[int], hashes: Sequence[bytes], tokens: np.ndarray, replica_idx: int = 0
+    ) -> KVTransfer:
+        """Copy the blocks ``hashes`` into ``block_ids``. Raises ``KVLoadRefused``
+        (nothing was copied) or ``KVLoadFailed``; the handle may raise
+        ``KVLoadFailed`` later."""
+
+    def offload(
+        self, block_ids: Sequence[int], hashes: Sequence[bytes], tokens: np.ndarray, replica_idx: int = 0
+    ) -> KVTransfer:
+        """Copy published device blocks out. The sources stay pinned by the
+        manager until the handle completes. Never raises for a full or failing
+        tier: such blocks are dropped and counted."""
+
+    def touch(self, hashes: Sequence[bytes], replica_idx: int = 0) -> None:
+        """Recency for blocks served from the device (root-anchored sequence)."""
+
+    def poll_transfers(self) -> None:
+        """Advance background work (promotions, write-back); never blocks."""
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every stored block."""
+
+    def shutdown(self) -> None:
+        """Wait for every transfer and close the tiers; stored files stay."""
+
+    def host_byte_count(self) -> ByteCount: ...
+
+    def disk_byte_count(self) -> ByteCount: ...
+
+    @property
+    def metrics(self) -> KVCacheMetrics:
+        """A snapshot of the connector's counters."""
+
+    def take_metrics(self) -> KVCacheMetrics:
+        """The counters, then zero them."""
+
+
+class NullConnector:
+    """No tiers: every lookup misses, nothing is stored, every transfer is complete."""
+
+    name = "null"
+
+    def attach(self, buffers, params) -> None:
+        return None
+
+    def lookup(self, hashes, tokens, replica_idx: int = 0) -> int:
+        return 0
+
+    def load(self, block_ids, hashes, tokens, replica_idx: int = 0) -> KVTransfer:
+        if len(block_ids):
+            from .errors import KVLoadRefused
+
+            raise KVLoadRefused(f"NullConnector.load: holds no blocks, asked for {len(block_ids)}")
+        return CompletedTransfer()
+
+    def offload(self, block_ids, hashes, tokens, replica_idx: int = 0) -> KVTransfer:
+        return CompletedTransfer()
+
+    def touch(self, hashes, replica_idx: int = 0) -> None:
+        return None
+
+    def poll_transfers(self) -> None:
+        return None
+
+    def reset_prefix_cache(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
+
+    def host_byte_count(self) -> ByteCount:
+        return ByteCount(0, 0)
+
+    def disk_byte_count(self) -> ByteCount:
+        return ByteCount(0, 0)
+
+    @property
+    def metrics(self) -> KVCacheMetrics:
+        return KVCacheMetrics()
+
+    def take_metrics(self) -> KVCacheMetrics:
+        return KVCacheMetrics()

@@ -1,0 +1,568 @@
+"""Types of the request manager (DESIGN §5): params, leaves, contexts, counts, metrics, inputs."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol, runtime_checkable
+
+import numpy as np
+
+from ._config import check_int
+from ._dtypes import KV_DTYPES, STATE_DTYPES, dtype_name, resolve_dtype
+from .hashing import HASH_ALGOS, salt_bytes
+
+__all__ = [
+    "LeafKind",
+    "LeafSpec",
+    "KVCacheParams",
+    "TextContext",
+    "BlockCount",
+    "ByteCount",
+    "PrefixCacheHits",
+    "KVCacheMetrics",
+    "KVCacheInputsPerDevice",
+    "KVCacheInputs",
+    "KVTransfer",
+    "CompletedTransfer",
+    "DEFAULT_LEAF_ID",
+]
+
+#: Id of the default full-attention leaf.
+DEFAULT_LEAF_ID = "full"
+
+
+# --------------------------------------------------------------------------- leaves
+
+
+class LeafKind(enum.Enum):
+    """What kind of pages a leaf holds."""
+
+    FULL = "full"
+    SLIDING_WINDOW = "sliding_window"
+    RECURRENT = "recurrent"
+
+
+@dataclass(frozen=True, slots=True)
+class LeafSpec:
+    """One leaf of the manager: a kind of page with its own pool per replica.
+
+    Build with ``LeafSpec.full()``, ``LeafSpec.sliding_window(window)`` or
+    ``LeafSpec.recurrent(state_shape, dtype="float32")``.
+
+    Attributes
+    ----------
+    kind : LeafKind
+    window : int
+        SLIDING_WINDOW: keys visible including the current token (> 1).
+    state_shape : tuple of int
+        RECURRENT: shape of one state checkpoint (one page holds one state).
+    state_dtype : str
+        RECURRENT: dtype name of the state.
+    """
+
+    kind: LeafKind
+    window: int = 0
+    state_shape: tuple[int, ...] = ()
+    state_dtype: str = "float32"
+
+    @classmethod
+    def full(cls) -> "LeafSpec":
+        return cls(LeafKind.FULL)
+
+    @classmethod
+    def sliding_window(cls, window: int) -> "LeafSpec":
+        return cls(LeafKind.SLIDING_WINDOW, window=check_int("LeafSpec.sliding_window", "window", window, low=2))
+
+    @classmethod
+    def recurrent(cls, state_shape, dtype: str = "float32") -> "LeafSpec":
+        o = "LeafSpec.recurrent"
+        if not hasattr(state_shape, "__iter__"):
+            raise TypeError(f"{o}: state_shape={state_shape!r}, must be a tuple of ints")
+        shape = tuple(check_int(o, f"state_shape[{i}]", d, low=1) for i, d in enumerate(state_shape))
+        if not shape:
+            raise ValueError(f"{o}: state_shape=(), must have at least one dimension")
+        resolve_dtype(o, "dtype", dtype, STATE_DTYPES)
+        return cls(LeafKind.RECURRENT, state_shape=shape, state_dtype=dtype_name(dtype))
+
+
+# --------------------------------------------------------------------------- params
+
+
+_PARAM_FIELDS = (
+    "page_size", "num_layers", "kv_heads", "head_dim", "dtype", "data_parallel_degree",
+    "enable_prefix_caching", "hash_algo", "hash_seed", "host_offload_bytes",
+    "disk_offload_bytes", "disk_offload_dir",
+)
+
+
+class KVCacheParams:
+    """Geometry and options of a ``PagedKVCacheManager`` (immutable).
+
+    Parameters
+    ----------
+    page_size : int
+        Tokens per page (block), > 0.
+    num_layers, kv_heads, head_dim : int
+        Geometry of every full/sliding leaf's pages.
+    dtype : {"float16", "bfloat16", "float32"}
+    data_parallel_degree : int
+        Replicas, each with its own pools and block ids.
+    enable_prefix_caching : bool
+    hash_algo : {"sha256", "xxh3_128"}
+    hash_seed : int
+    leaves : mapping of str to LeafSpec, optional
+        ``None`` means one full-attention leaf ``"full"``.
+    host_offload_bytes, disk_offload_bytes : int
+        Tier sizes; with ``connector=None`` the manager builds a
+        ``TieredConnector`` when either is non-zero.
+    disk_offload_dir : str, optional
+        Directory of the disk tier.
+    """
+
+    __slots__ = tuple("_" + f for f in _PARAM_FIELDS) + ("_leaves",)
+
+    def __init__(
+        self,
+        page_size: int,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: str = "float16",
+        data_parallel_degree: int = 1,
+        enable_prefix_caching: bool = True,
+        hash_algo: str = "sha256",
+        hash_seed: int = 0,
+        leaves: Mapping[str, LeafSpec] | None = None,
+        host_offload_bytes: int = 0,
+        disk_offload_bytes: int = 0,
+        disk_offload_dir: str | None = None,
+    ):
+        o = "KVCacheParams"
+        check_int(o, "page_size", page_size, low=1)
+        check_int(o, "num_layers", num_layers, low=1)
+        check_int(o, "kv_heads", kv_heads, low=1)
+        check_int(o, "head_dim", head_dim, low=1)
+        resolve_dtype(o, "dtype", dtype, KV_DTYPES)
+        check_int(o, "data_parallel_degree", data_parallel_degree, low=1)
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"{o}: enable_prefix_caching={enable_prefix_caching!r}, must be a bool")
+        if hash_algo not in HASH_ALGOS:
+            raise ValueError(f"{o}: hash_algo={hash_algo!r}, must be one of {sorted(HASH_ALGOS)}")
+        check_int(o, "hash_seed", hash_seed, low=0, high=2**64 - 1)
+        check_int(o, "host_offload_bytes", host_offload_bytes, low=0)
+        check_int(o, "disk_offload_bytes", disk_offload_bytes, low=0)
+        if disk_offload_bytes and not disk_offload_dir:
+            raise ValueError(f"{o}: disk_offload_bytes={disk_offload_bytes} needs disk_offload_dir")
+        if leaves is None:
+            leaf_map = {DEFAULT_LEAF_ID: LeafSpec.full()}
+        else:
+            if not isinstance(leaves, Mapping) or not leaves:
+                raise ValueError(f"{o}: leaves={leaves!r}, must be a non-empty mapping of leaf id to LeafSpec")
+            leaf_map = {}
+            for k, v in leaves.items():
+                if not isinstance(k, str) or not k:
+                    raise ValueError(f"{o}: leaves key {k!r}, must be a non-empty str")
+                if not isinstance(v, LeafSpec):
+                    raise TypeError(f"{o}: leaves[{k!r}]={v!r}, must be a LeafSpec")
+                leaf_map[k] = v
+            if not any(v.kind is not LeafKind.RECURRENT for v in leaf_map.values()):
+                raise ValueError(f"{o}: leaves={sorted(leaf_map)} has no full or sliding-window leaf")
+        object.__setattr__(self, "_leaves", dict(leaf_map))
+        for name, value in zip(
+            _PARAM_FIELDS,
+            (page_size, num_layers, kv_heads, head_dim, dtype_name(dtype), data_parallel_degree,
+             enable_prefix_caching, hash_algo, hash_seed, host_offload_bytes, disk_offload_bytes,
+             disk_offload_dir),
+        ):
+            object.__setattr__(self, "_" + name, int(value) if isinstance(value, np.integer) else value)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"KVCacheParams is immutable; cannot set {name}")
+
+    page_size = property(lambda self: self._page_size)
+    num_layers = property(lambda self: self._num_layers)
+    kv_heads = property(lambda self: self._kv_heads)
+    head_dim = property(lambda self: self._head_dim)
+    dtype = property(lambda self: self._dtype)
+    data_parallel_degree = property(lambda self: self._data_parallel_degree)
+    enable_prefix_caching = property(lambda self: self._enable_prefix_caching)
+    hash_algo = property(lambda self: self._hash_algo)
+    hash_seed = property(lambda self: self._hash_seed)
+    host_offload_bytes = property(lambda self: self._host_offload_bytes)
+    disk_offload_bytes = property(lambda self: self._disk_offload_bytes)
+    disk_offload_dir = property(lambda self: self._disk_offload_dir)
+
+    def leaves(self) -> dict[str, LeafSpec]:
+        """``{leaf_id: LeafSpec}`` in declaration order (a copy)."""
+        return dict(self._leaves)
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return KV_DTYPES[self._dtype]
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        """Shape of one full/sliding page: ``(2, num_layers, page_size, kv_heads, head_dim)``."""
+        return (2, self._num_layers, self._page_size, self._kv_heads, self._head_dim)
+
+    def page_bytes(self, leaf_id: str = DEFAULT_LEAF_ID) -> int:
+        """Bytes of one page of ``leaf_id``."""
+        leaf = self._leaves[leaf_id]
+        if leaf.kind is LeafKind.RECURRENT:
+            return math.prod(leaf.state_shape) * STATE_DTYPES[leaf.state_dtype].itemsize
+        return math.prod(self.page_shape) * self.np_dtype.itemsize
+
+    def _key(self):
+        return tuple(getattr(self, "_" + f) for f in _PARAM_FIELDS) + (tuple(self._leaves.items()),)
+
+    def __eq__(self, other):
+        return isinstance(other, KVCacheParams) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __repr__(self):
+        fields = ", ".join(f"{f}={getattr(self, '_' + f)!r}" for f in _PARAM_FIELDS)
+        return f"KVCacheParams({fields}, leaves={self._leaves!r})"
+
+
+# --------------------------------------------------------------------------- context
+
+
+class TextContext:
+    """A request's token buffer: ``[processed | active | pending]``.
+
+    ``processed_length`` tokens are in the KV cache; the next forward computes
+    the ``active_length`` tokens after them; ``pending`` tokens (after a
+    ``chunk``) wait for later chunks. ``current_position = processed_length +
+    active_length``.
+
+    A fresh context has ``processed_length == 0`` and every token active.
+    After a forward, ``update(token)`` appends the sampled token, moves the
+    processed mark to the end of the old tokens and leaves one active token.
+    A chunked prefill instead calls ``advance_chunk()`` after each non-final
+    chunk.
+
+    Parameters
+    ----------
+    request_id : str
+    tokens : int [N]
+        Prompt token ids (N >= 1, each in int32 range).
+    cache_salt : str or bytes, optional
+        Enters the hash root; different salts never share blocks.
+    """
+
+    __slots__ = (
+        "request_id", "cache_salt", "_tokens", "_length", "_processed", "_active",
+        "cached_prefix_length", "cached_prefix_external_length",
+    )
+
+    def __init__(self, request_id: str, tokens, cache_salt: str | bytes | None = None):
+        o = "TextContext"
+        if not isinstance(request_id, str):
+            raise TypeError(f"{o}: request_id={request_id!r}, must be a str")
+        arr = np.asarray(tokens)
+        if arr.ndim != 1 or arr.size == 0:
+            raise ValueError(f"{o}: tokens shape={arr.shape}, must be 1-D and non-empty")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"{o}: tokens dtype={arr.dtype}, must be an integer type")
+        if arr.min() < -(2**31) or arr.max() > 2**31 - 1:
+            raise ValueError(f"{o}: tokens out of int32 range")
+        salt_bytes(cache_salt)  # validates the type
+        self.request_id = request_id
+        self.cache_salt = cache_salt
+        self._tokens = np.empty(max(16, 2 * arr.size), dtype=np.int32)
+        self._tokens[: arr.size] = arr
+        self._length = int(arr.size)
+        self._processed = 0
+        self._active = int(arr.size)
+        #: Tokens reused from the prefix cache at the last admission (written by the manager).
+        self.cached_prefix_length = 0
+        #: Of those, tokens loaded from an external tier (written by the manager).
+        self.cached_prefix_external_length = 0
+
+    # -- reads
+    @property
+    def tokens(self) -> np.ndarray:
+        """int32 [N]: every token (processed, active and pending); a read-only view."""
+        v = self._tokens[: self._length]
+        v = v.view()
+        v.flags.writeable = False
+        return v
+
+    @property
+    def processed_length(self) -> int:
+        return self._processed
+
+    @property
+    def active_length(self) -> int:
+        return self._active
+
+    @property
+    def current_position(self) -> int:
+        return self._processed + self._active
+
+    @property
+    def pending_length(self) -> int:
+        """Tokens after the active region (left by ``chunk``)."""
+        return self._length - self._processed - self._active
+
+    @property
+    def active_tokens(self) -> np.ndarray:
+        return self.tokens[self._processed : self.current_position]
+
+    def __len__(self) -> int:
+        return self._length
+
+    # -- mutators
+    def update(self, token: int) -> None:
+        """After a forward over the whole active region: append ``token`` and
+        leave it as the only active token."""
+        check_int("TextContext.update", "token", token, low=-(2**31), high=2**31 - 1)
+        if self.pending_length:
+            raise ValueError(
+                f"TextContext.update: {self.pending_length} pending tokens after a chunk; call advance_chunk()"
+            )
+        if self._length == self._tokens.size:
+            grown = np.empty(2 * self._tokens.size, dtype=np.int32)
+            grown[: self._length] = self._tokens[: self._length]
+            self._tokens = grown
+        self._tokens[self._length] = token
+        self._length += 1
+        self._processed = self._length - 1
+        self._active = 1
+
+    def chunk(self, n: int) -> None:
+        """Shrink the active region to its first ``n`` tokens (1 <= n < active_length)."""
+        n = check_int("TextContext.chunk", "n", n)
+        if not 1 <= n < self._active:
+            raise ValueError(f"TextContext.chunk: n={n} out of range [1, {self._active})")
+        self._active = n
+
+    def advance_chunk(self) -> None:
+        """After a forward over a non-final chunk: the chunk is processed and
+        every pending token becomes active."""
+        if not self.pending_length:
+            raise ValueError("TextContext.advance_chunk: no pending tokens; call update(token)")
+        self._processed += self._active
+        self._active = self._length - self._processed
+
+    def skip_processing(self, n: int) -> None:
+        """Mark ``n`` active tokens as processed (a prefix hit); at least one stays active."""
+        n = check_int("TextContext.skip_processing", "n", n, low=0)
+        if n >= self._active:
+            raise ValueError(
+                f"TextContext.skip_processing: n={n} would leave 0 active tokens (active_length={self._active})"
+            )
+        self._processed += n
+        self._active -= n
+
+    def rewind_processing(self, n: int) -> None:
+        """Move the processed mark back by ``n`` tokens; they become active again."""
+        n = check_int("TextContext.rewind_processing", "n", n, low=0)
+        if n > self._processed:
+            raise ValueError(
+                f"TextContext.rewind_processing: n={n} > processed_length={self._processed}"
+            )
+        self._processed -= n
+        self._active += n
+
+    def reset(self) -> None:
+        """Back to unprocessed (preemption): every token active, no cached prefix."""
+        self._processed = 0
+        self._active = self._length
+        self.cached_prefix_length = 0
+        self.cached_prefix_external_length = 0
+
+    def __repr__(self):
+        return (
+            f"TextContext({self.request_id!r}, len={self._length}, processed={self._processed}, "
+            f"active={self._active})"
+        )
+
+
+# --------------------------------------------------------------------------- counts
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCount:
+    """Blocks of one replica: ``free`` (cached-unreferenced count as free) of ``total`` (null excluded)."""
+
+    free: int
+    total: int
+
+    @property
+    def used(self) -> int:
+        return self.total - self.free
+
+    @property
+    def used_pct(self) -> float:
+        return 100.0 * self.used / self.total if self.total else 0.0
+
+    @property
+    def free_pct(self) -> float:
+        return 100.0 * self.free / self.total if self.total else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ByteCount:
+    """Bytes of a tier: ``free`` of ``total``."""
+
+    free: int
+    total: int
+
+    @property
+    def used(self) -> int:
+        return self.total - self.free
+
+    @property
+    def used_pct(self) -> float:
+        return 100.0 * self.used / self.total if self.total else 0.0
+
+    @property
+    def free_pct(self) -> float:
+        return 100.0 * self.free / self.total if self.total else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheHits:
+    """Blocks of a prompt a replica could serve: from its device pool and from external tiers."""
+
+    device_blocks: int = 0
+    external_blocks: int = 0
+
+    @property
+    def total_blocks(self) -> int:
+        return self.device_blocks + self.external_blocks
+
+
+@dataclass(slots=True)
+class KVCacheMetrics:
+    """Counters of a manager and its connector; ``+`` sums them.
+
+    ``prompt_tokens = input_tokens + cache_tokens``;
+    ``cache_hit_rate = cache_tokens / prompt_tokens`` (0 when 0).
+    """
+
+    #: Tokens computed by forwards: ``active_length`` after the prefix skip, every ``alloc``.
+    input_tokens: int = 0
+    #: Tokens reused from the prefix cache (device and external), ``blocks * page_size``.
+    cache_tokens: int = 0
+    #: Blocks served from the device pool (cross-replica copies included).
+    device_blocks_served: int = 0
+    #: Blocks served from external tiers.
+    external_blocks_served: int = 0
+    h2d_bytes_copied: int = 0
+    d2h_bytes_copied: int = 0
+    disk_bytes_written: int = 0
+    disk_bytes_read: int = 0
+    connector_loads_refused: int = 0
+    connector_load_failures: int = 0
+    connector_offload_blocks_dropped: int = 0
+    cross_replica_blocks_copied: int = 0
+    cross_replica_bytes_copied: int = 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.input_tokens + self.cache_tokens
+
+    @property
+    def cache_hit_rate(self) -> float:
+        p = self.prompt_tokens
+        return self.cache_tokens / p if p else 0.0
+
+    def __add__(self, other: "KVCacheMetrics") -> "KVCacheMetrics":
+        if not isinstance(other, KVCacheMetrics):
+            return NotImplemented
+        return KVCacheMetrics(
+            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)}
+        )
+
+    def copy(self) -> "KVCacheMetrics":
+        return dataclasses.replace(self)
+
+    def as_dict(self) -> dict[str, int | float]:
+        d = dataclasses.asdict(self)
+        d["prompt_tokens"] = self.prompt_tokens
+        d["cache_hit_rate"] = self.cache_hit_rate
+        return d
+
+
+# --------------------------------------------------------------------------- runtime inputs
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheInputsPerDevice:
+    """What a paged attention kernel binds for one replica.
+
+    Attributes
+    ----------
+    kv_blocks : [num_blocks, 2, num_layers, page_size, kv_heads, head_dim]
+        The replica's device buffer (live view) of the leaf.
+    lookup_table : uint32 [batch, cols]
+        Row i: the request's first ``num_req_blocks`` block ids, then 0 (null);
+        ``cols`` rounded up to a multiple of 8.
+    cache_lengths : uint32 [batch]
+        ``processed_length`` of each request.
+    max_prompt_length : int
+        Max ``active_length`` in the batch.
+    max_cache_length : int
+        Max ``processed_length + active_length`` in the batch (or the given bound).
+    """
+
+    kv_blocks: Any
+    lookup_table: Any
+    cache_lengths: Any
+    max_prompt_length: int
+    max_cache_length: int
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheInputs:
+    """``inputs[r]``: the replica-r ``KVCacheInputsPerDevice``."""
+
+    inputs: tuple
+
+    def __iter__(self):
+        return iter(self.inputs)
+
+    def __len__(self):
+        return len(self.inputs)
+
+    def __getitem__(self, i):
+        return self.inputs[i]
+
+
+# --------------------------------------------------------------------------- transfers
+
+
+@runtime_checkable
+class KVTransfer(Protocol):
+    """Handle of an asynchronous transfer.
+
+    ``is_complete()`` never blocks, may be called every iteration and may raise
+    ``KVLoadFailed``; ``synchronize()`` blocks until the transfer lands (and
+    raises ``KVLoadFailed`` if it failed).
+    """
+
+    def is_complete(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+class CompletedTransfer:
+    """A transfer that is already done and pins nothing."""
+
+    __slots__ = ()
+
+    def is_complete(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+    def __repr__(self):
+        return "CompletedTransfer()"
