@@ -1,0 +1,957 @@
+"""The reference slot cache ``KVCache`` (DESIGN §4, ``spec/slot-cache.md``).
+
+Per-layer K/V storage over slot-indexed batches, contiguous or paged, plus
+cross-attention planes and state slabs. Every public method validates all of
+its arguments before the first mutation, so a raise leaves the cache exactly
+as it was (``spec/slot-cache.md`` §2).
+
+Block bookkeeping (free list, ref counts, prefix index, allocation order) is
+``kvref._block_pool.BlockPool``; the hash chain is ``kvspec.hashing``; the
+step-index arithmetic is :func:`build_step_indices`, the single place in
+``kvref`` that computes ``StepIndices``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+import numpy as np
+
+from kvspec import CapacityError, KVCacheConfig, KVCacheMode, KVLayerSpec, LayerKind, StepIndices
+from kvspec._config import parse_device
+from kvspec.hashing import block_hash, block_hashes, root_hash
+
+from ._block_pool import NULL_BLOCK, BlockPool
+
+__all__ = ["KVCache", "build_step_indices"]
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_ATTN_KINDS = (LayerKind.ATTENTION, LayerKind.SLIDING_WINDOW)
+_KV_KINDS = (LayerKind.ATTENTION, LayerKind.SLIDING_WINDOW, LayerKind.CROSS_ATTENTION)
+
+
+# ---------------------------------------------------------------------- argument checks
+
+
+def _check_index(api: str, name: str, value, n: int) -> int:
+    """An int in ``[0, n)``: ``TypeError`` for a non-int, ``IndexError`` out of range."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{api}: {name}={value!r}, must be an int")
+    value = int(value)
+    if not 0 <= value < n:
+        raise IndexError(f"{api}: {name}={value} out of range [0, {n})")
+    return value
+
+
+def _check_scalar(api: str, name: str, value) -> int:
+    """A Python or NumPy int (not bool); ``TypeError`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{api}: {name}={value!r}, must be an int")
+    return int(value)
+
+
+def _int_vector(api: str, name: str, value) -> np.ndarray:
+    """A 1-D host integer array as int64: ``TypeError`` for floats/bools, ``ValueError`` for ndim."""
+    arr = np.asarray(value)
+    if arr.size == 0 and arr.dtype.kind == "f":
+        arr = arr.astype(np.int64)  # np.asarray([]) is float64; an empty list is an empty int list
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{api}: {name} dtype={arr.dtype}, must be an integer type")
+    if arr.ndim != 1:
+        raise ValueError(f"{api}: {name}.ndim={arr.ndim}, must be 1")
+    if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"{api}: {name} max={arr.max()} > {np.iinfo(np.int64).max}")
+    return arr.astype(np.int64)
+
+
+def _token_vector(api: str, name: str, value) -> np.ndarray:
+    """Token ids: 1-D integers that fit int32, returned as int32."""
+    arr = _int_vector(api, name, value)
+    bad = np.flatnonzero((arr < _INT32_MIN) | (arr > _INT32_MAX))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{api}: {name}[{i}]={arr[i]} out of int32 range [{_INT32_MIN}, {_INT32_MAX}]")
+    return arr.astype(np.int32)
+
+
+def _float_tensor(api: str, name: str, value, shape_hint: str) -> np.ndarray:
+    """A floating array (float16/bfloat16/float32/float64); ``TypeError`` otherwise."""
+    arr = np.asarray(value)
+    if arr.dtype.kind != "f" and arr.dtype.name != "bfloat16":
+        raise TypeError(f"{api}: {name} dtype={arr.dtype}, must be a floating type {shape_hint}")
+    return arr
+
+
+# ---------------------------------------------------------------------- step indices
+
+
+def build_step_indices(
+    cu_seqlens_q: np.ndarray,
+    past_len: np.ndarray,
+    slot_ids: np.ndarray,
+    *,
+    max_seq_len: int,
+    block_size: int,
+    block_table: np.ndarray | None,
+    enc_lens: np.ndarray,
+) -> StepIndices:
+    """``StepIndices`` from validated host arrays (``spec/slot-cache.md`` §3).
+
+    The one implementation of the step-index arithmetic in ``kvref``.
+
+    Parameters
+    ----------
+    cu_seqlens_q : int [B+1]
+        Query offsets, validated: ``cu[0] == 0``, strictly increasing.
+    past_len : int [B]
+        Cached tokens per row (already checked against ``seq_lens()``).
+    slot_ids : int [B]
+        Distinct slots in range.
+    max_seq_len, block_size : int
+        Geometry of the cache.
+    block_table : int32 [max_seqs, max_blocks_per_seq] or None
+        The paged block table **after** this step's reservation; None when
+        contiguous.
+    enc_lens : int [max_seqs]
+        Encoder length of every slot.
+
+    Returns
+    -------
+    StepIndices
+        Dtypes per DESIGN §4.3 (int32 indices, int64 ``slot_mapping``,
+        bool ``has_initial_state``).
+    """
+    cu = np.asarray(cu_seqlens_q, dtype=np.int64)
+    past = np.asarray(past_len, dtype=np.int64)
+    slots = np.asarray(slot_ids, dtype=np.int64)
+    q_len = np.diff(cu)
+    num_rows = int(slots.shape[0])
+    seqused_k = past + q_len
+    cu_k = np.zeros(num_rows + 1, dtype=np.int64)
+    np.cumsum(seqused_k, out=cu_k[1:])
+    batch_indices = np.repeat(np.arange(num_rows, dtype=np.int64), q_len)
+    # positions[t] = past[b] + (t - cu[b]) for the row b that owns token t
+    positions = past[batch_indices] + (np.arange(int(cu[-1]), dtype=np.int64) - cu[:-1][batch_indices])
+    token_slots = slots[batch_indices]
+    if block_table is None:
+        slot_mapping = token_slots * max_seq_len + positions
+        rows = None
+    else:
+        cols = positions // block_size
+        slot_mapping = block_table[token_slots, cols].astype(np.int64) * block_size + positions % block_size
+        rows = np.ascontiguousarray(block_table[slots], dtype=np.int32)
+    return StepIndices(
+        cu_seqlens_q=cu.astype(np.int32),
+        past_len=past.astype(np.int32),
+        seqused_k=seqused_k.astype(np.int32),
+        cu_seqlens_k=cu_k.astype(np.int32),
+        max_seqlen_q=int(q_len.max()) if num_rows else 0,
+        max_seqlen_k=int(seqused_k.max()) if num_rows else 0,
+        slot_ids=slots.astype(np.int32),
+        batch_indices=batch_indices.astype(np.int32),
+        positions=positions.astype(np.int32),
+        slot_mapping=slot_mapping.astype(np.int64),
+        block_table=rows,
+        has_initial_state=past > 0,
+        cross_seqused_k=np.asarray(enc_lens, dtype=np.int64)[slots].astype(np.int32),
+        logits_indices=(cu[1:] - 1).astype(np.int32),
+    )
+
+
+# ---------------------------------------------------------------------- the cache
+
+
+class KVCache:
+    """Slot-indexed serving KV cache, contiguous or paged (DESIGN §4).
+
+    Build it with :meth:`make`; ``KVCache()`` raises ``TypeError``.
+
+    Storage (``spec/slot-cache.md`` §1), all allocated once by ``make``:
+
+    * ATTENTION / SLIDING_WINDOW, contiguous: K and V
+      ``[max_seqs, max_seq_len, kv_heads, head_dim]``; paged: K and V pools
+      ``[num_blocks, block_size, kv_heads, head_dim]`` addressed through one
+      block table int32 ``[max_seqs, max_blocks_per_seq]`` (block 0 is null).
+    * CROSS_ATTENTION: K and V planes ``[max_seqs, max_enc_len, kv_heads, head_dim]``.
+    * STATE: ``conv_state(l, i)`` ``[max_seqs, conv_dims[i], conv_width]`` and
+      ``recurrent_state(l)`` ``[max_seqs, heads, k_dim, v_dim]``.
+
+    K/V are in ``config.dtype``, state slabs in ``config.state_dtype``.
+
+    Examples
+    --------
+    >>> from kvspec import KVCacheConfig, KVCacheMode, KVLayerSpec
+    >>> cfg = KVCacheConfig(num_layers=1, max_seqs=2, max_seq_len=8,
+    ...                     mode=KVCacheMode.PAGED, block_size=4)
+    >>> cache = KVCache.make(cfg, [KVLayerSpec.attention(kv_heads=1, head_dim=2)])
+    >>> step = cache.prepare_step([0, 3], [0], [1])
+    >>> step.slot_mapping.tolist()
+    [4, 5, 6]
+    >>> cache.update_position(1, 3)
+    >>> cache.seq_lens().tolist()
+    [0, 3]
+    """
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("KVCache() cannot be constructed directly; use KVCache.make(config, layer_specs)")
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def make(cls, config: KVCacheConfig, layer_specs: Sequence[KVLayerSpec]) -> "KVCache":
+        """Allocate a cache: every buffer once, all slots empty, all blocks free.
+
+        Parameters
+        ----------
+        config : KVCacheConfig
+            Sizes and options; ``config.device`` must be ``"cpu"`` (kvref is NumPy).
+        layer_specs : sequence of KVLayerSpec
+            One per layer, ``len(layer_specs) == config.num_layers``.
+
+        Returns
+        -------
+        KVCache
+
+        Raises
+        ------
+        TypeError
+            ``config`` is not a ``KVCacheConfig`` or a layer spec is not a ``KVLayerSpec``.
+        ValueError
+            Wrong number of layer specs, or a non-CPU device.
+        """
+        api = "KVCache.make"
+        if not isinstance(config, KVCacheConfig):
+            raise TypeError(f"{api}: config={config!r}, must be a KVCacheConfig")
+        if isinstance(layer_specs, (str, bytes)) or not hasattr(layer_specs, "__len__"):
+            raise TypeError(f"{api}: layer_specs={layer_specs!r}, must be a sequence of KVLayerSpec")
+        specs = tuple(layer_specs)
+        for i, spec in enumerate(specs):
+            if not isinstance(spec, KVLayerSpec):
+                raise TypeError(f"{api}: layer_specs[{i}]={spec!r}, must be a KVLayerSpec")
+        if len(specs) != config.num_layers:
+            raise ValueError(f"{api}: len(layer_specs)={len(specs)} != config.num_layers={config.num_layers}")
+        # Spec §1: kvref is pure NumPy; CUDA storage is kvfast's.
+        if parse_device(api, config.device)[0] != "cpu":
+            raise ValueError(f"{api}: config.device={config.device!r}, kvref stores on 'cpu' only (use kvfast)")
+        self = object.__new__(cls)
+        self._init_storage(config, specs)
+        return self
+
+    def _init_storage(self, config: KVCacheConfig, specs: tuple[KVLayerSpec, ...]) -> None:
+        self._config = config
+        self._specs = specs
+        self._paged = config.mode is KVCacheMode.PAGED
+        S, L = config.max_seqs, config.max_seq_len
+        kv_dt, st_dt = config.np_dtype, config.np_state_dtype
+        #: layer -> (K, V) for attention, sliding and cross layers
+        self._kv: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        #: layer -> list of conv slabs; layer -> recurrent slab or None
+        self._conv: dict[int, list[np.ndarray]] = {}
+        self._rec: dict[int, np.ndarray | None] = {}
+        for l, spec in enumerate(specs):
+            if spec.kind in _ATTN_KINDS:
+                if self._paged:
+                    shape = (config.resolved_num_blocks, config.block_size, spec.kv_heads, spec.head_dim)
+                else:
+                    shape = (S, L, spec.kv_heads, spec.head_dim)
+                self._kv[l] = (np.zeros(shape, kv_dt), np.zeros(shape, kv_dt))
+            elif spec.kind is LayerKind.CROSS_ATTENTION:
+                shape = (S, spec.max_enc_len, spec.kv_heads, spec.head_dim)
+                self._kv[l] = (np.zeros(shape, kv_dt), np.zeros(shape, kv_dt))
+            else:
+                self._conv[l] = [np.zeros((S, d, spec.conv_width), st_dt) for d in spec.conv_dims]
+                self._rec[l] = None if spec.recurrent is None else np.zeros((S, *spec.recurrent), st_dt)
+        self._has_state = bool(self._conv)
+        self._seq = np.zeros(S, np.int32)
+        #: encoder length per slot (0 = not filled); shared by all cross layers
+        self._enc = np.zeros(S, np.int64)
+        if self._paged:
+            self._pool: BlockPool | None = BlockPool(config.resolved_num_blocks, on_evict=self._on_evict)
+            self._table: np.ndarray | None = np.zeros((S, config.max_blocks_per_seq), np.int32)
+        else:
+            self._pool = None
+            self._table = None
+        #: blocks held per slot (live columns) and adopted (shared) columns per slot
+        self._nblk = np.zeros(S, np.int64)
+        self._nshared = np.zeros(S, np.int64)
+        #: published hash -> parent hash, so check_invariants can recompute the chain
+        self._parents: dict[bytes, bytes] = {}
+        #: state checkpoints: block hash -> copies of the state slabs, LRU first
+        self._checkpoints: OrderedDict[bytes, list[np.ndarray]] = OrderedDict()
+        #: slot -> blocks of its last prepared (not yet committed) write set
+        self._write_sets: dict[int, frozenset[int]] = {}
+
+    # ------------------------------------------------------------------ properties and accessors
+
+    @property
+    def config(self) -> KVCacheConfig:
+        """The configuration given to ``make``."""
+        return self._config
+
+    @property
+    def layer_specs(self) -> tuple[KVLayerSpec, ...]:
+        """The layer specs given to ``make``, as a tuple."""
+        return self._specs
+
+    def mode(self) -> KVCacheMode:
+        """``KVCacheMode.CONTIGUOUS`` or ``KVCacheMode.PAGED``."""
+        return self._config.mode
+
+    def _layer(self, api: str, layer, kinds: tuple[LayerKind, ...]) -> int:
+        layer = _check_index(api, "layer", layer, len(self._specs))
+        kind = self._specs[layer].kind
+        if kind not in kinds:
+            want = " or ".join(k.name for k in kinds)
+            raise TypeError(f"{api}: layer={layer} is {kind.name}, must be {want}")
+        return layer
+
+    def keys(self, layer: int) -> np.ndarray:
+        """Live K storage of an attention, sliding-window or cross layer.
+
+        Parameters
+        ----------
+        layer : int
+            ``0 <= layer < num_layers``.
+
+        Returns
+        -------
+        ndarray, config.dtype
+            Contiguous ``[max_seqs, max_seq_len, kv_heads, head_dim]``, paged
+            ``[num_blocks, block_size, kv_heads, head_dim]``, cross
+            ``[max_seqs, max_enc_len, kv_heads, head_dim]``. The same object on
+            every call, also after ``reset()``.
+
+        Raises
+        ------
+        IndexError
+            ``layer`` out of range.
+        TypeError
+            A STATE layer (or a non-int ``layer``).
+        """
+        return self._kv[self._layer("keys", layer, _KV_KINDS)][0]
+
+    def values(self, layer: int) -> np.ndarray:
+        """Live V storage; same shapes, errors and identity as :meth:`keys`."""
+        return self._kv[self._layer("values", layer, _KV_KINDS)][1]
+
+    def conv_state(self, layer: int, index: int = 0) -> np.ndarray:
+        """Live conv state ``[max_seqs, conv_dims[index], conv_width]`` (config.state_dtype).
+
+        Holds the last ``conv_width`` inputs, newest at ``[..., conv_width - 1]``.
+
+        Raises
+        ------
+        IndexError
+            ``layer`` or ``index`` out of range.
+        TypeError
+            Not a STATE layer.
+        """
+        layer = self._layer("conv_state", layer, (LayerKind.STATE,))
+        slabs = self._conv[layer]
+        return slabs[_check_index("conv_state", "index", index, len(slabs))]
+
+    def recurrent_state(self, layer: int) -> np.ndarray:
+        """Live recurrent state ``[max_seqs, heads, k_dim, v_dim]`` (config.state_dtype).
+
+        Raises
+        ------
+        IndexError
+            ``layer`` out of range.
+        TypeError
+            Not a STATE layer, or a STATE layer built with ``recurrent=None``.
+        """
+        layer = self._layer("recurrent_state", layer, (LayerKind.STATE,))
+        rec = self._rec[layer]
+        if rec is None:
+            # Spec §2.4: no recurrent slab is a missing storage kind, like a wrong layer kind.
+            raise TypeError(f"recurrent_state: layer={layer} is STATE with recurrent=None, has no recurrent state")
+        return rec
+
+    def seq_lens(self) -> np.ndarray:
+        """Committed length of every slot, int32 ``[max_seqs]`` (a copy)."""
+        return self._seq.copy()
+
+    def paged_block_table(self) -> np.ndarray | None:
+        """The block table int32 ``[max_seqs, max_blocks_per_seq]`` (a copy), None when contiguous.
+
+        Row s holds the slot's blocks in columns ``[0, nblk)`` (each >= 1);
+        later columns are 0, the null block.
+        """
+        return None if self._table is None else self._table.copy()
+
+    def _free_order(self) -> list[int]:
+        """The free list front to back (the order allocation pops); [] when contiguous. For tests."""
+        return [] if self._pool is None else self._pool.free_order()
+
+    def _capacity(self, slot: int) -> int:
+        if self._paged:
+            return min(int(self._nblk[slot]) * self._config.block_size, self._config.max_seq_len)
+        return self._config.max_seq_len
+
+    def _require_paged(self, api: str) -> None:
+        if not self._paged:
+            raise RuntimeError(f"{api}: mode={self._config.mode.name}, needs PAGED")
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def update_position(self, batch_idx: int, new_pos: int) -> None:
+        """Set ``seq_lens()[batch_idx] = new_pos``: commit a step or roll back. Bookkeeping only.
+
+        Parameters
+        ----------
+        batch_idx : int
+            Slot, ``0 <= batch_idx < max_seqs``.
+        new_pos : int
+            ``0 <= new_pos <= capacity`` (paged: blocks held * block_size, at
+            most max_seq_len; contiguous: max_seq_len) and, paged, not below
+            the slot's adopted prefix ``nshared * block_size``.
+
+        Raises
+        ------
+        IndexError
+            ``batch_idx`` out of range.
+        TypeError
+            A non-int argument.
+        ValueError
+            ``new_pos`` out of bounds; state is unchanged.
+        """
+        api = "update_position"
+        b = _check_index(api, "batch_idx", batch_idx, self._config.max_seqs)
+        pos = _check_scalar(api, "new_pos", new_pos)
+        if pos < 0:
+            raise ValueError(f"{api}: new_pos={pos} < 0")
+        cap = self._capacity(b)
+        if pos > cap:
+            raise ValueError(f"{api}: new_pos={pos} > capacity={cap} of slot {b}")
+        shared = int(self._nshared[b]) * self._config.block_size
+        if pos < shared:
+            # Spec §4.2: positions below the adopted prefix live in shared blocks; rewriting them is forbidden.
+            raise ValueError(f"{api}: new_pos={pos} < shared prefix={shared} of slot {b}")
+        # Spec §2.6: shrinking keeps the blocks (capacity stays); nothing is zeroed or freed.
+        self._seq[b] = pos
+        self._write_sets.pop(b, None)
+
+    def evict_batch(self, batch_idx: int) -> None:
+        """Return a slot to empty. Idempotent; publishes nothing.
+
+        Length and encoder length become 0, the slot's cross planes and state
+        slabs are zeroed, its blocks are released tail first (published ones
+        stay retained for reuse).
+
+        Raises
+        ------
+        IndexError
+            ``batch_idx`` out of range; state is unchanged.
+        """
+        b = _check_index("evict_batch", "batch_idx", batch_idx, self._config.max_seqs)
+        self._release(b)
+
+    def _release(self, b: int) -> None:
+        """Free slot ``b``: blocks tail first, zero its cross planes and state slabs."""
+        if self._paged:
+            n = int(self._nblk[b])
+            # Spec §5: release tail first, so a chain's tail is evicted before its head.
+            self._pool.free([int(x) for x in self._table[b, :n][::-1]])
+            self._table[b, :] = NULL_BLOCK
+        self._nblk[b] = 0
+        self._nshared[b] = 0
+        self._seq[b] = 0
+        self._enc[b] = 0
+        for l, spec in enumerate(self._specs):
+            if spec.kind is LayerKind.CROSS_ATTENTION:
+                self._kv[l][0][b] = 0
+                self._kv[l][1][b] = 0
+        self._zero_state(b)
+        self._write_sets.pop(b, None)
+
+    def _zero_state(self, b: int) -> None:
+        for l in self._conv:
+            for slab in self._conv[l]:
+                slab[b] = 0
+            if self._rec[l] is not None:
+                self._rec[l][b] = 0
+
+    def reset(self) -> None:
+        """Back to the state ``make`` produced, in place: buffers keep their identity.
+
+        All storage zeroed, every slot empty, every block free in ascending
+        order, the prefix index and state checkpoints emptied.
+        """
+        for k, v in self._kv.values():
+            k[...] = 0
+            v[...] = 0
+        for l in self._conv:
+            for slab in self._conv[l]:
+                slab[...] = 0
+            if self._rec[l] is not None:
+                self._rec[l][...] = 0
+        self._seq[:] = 0
+        self._enc[:] = 0
+        self._nblk[:] = 0
+        self._nshared[:] = 0
+        if self._paged:
+            self._table[...] = NULL_BLOCK
+            self._pool.reset()
+        self._parents.clear()
+        self._checkpoints.clear()
+        self._write_sets.clear()
+
+    def fill(self, layer: int, batch_idx: int, k, v) -> None:
+        """Write a slot's encoder K/V into a cross layer's planes and zero the rest.
+
+        Parameters
+        ----------
+        layer : int
+            A CROSS_ATTENTION layer.
+        batch_idx : int
+            Slot.
+        k, v : float [t_enc, kv_heads, head_dim]
+            ``1 <= t_enc <= max_enc_len``; cast to ``config.dtype``.
+
+        Does not change ``seq_lens()``. Sets the slot's encoder length
+        (``StepIndices.cross_seqused_k``), shared by all cross layers.
+
+        Raises
+        ------
+        IndexError
+            ``layer`` or ``batch_idx`` out of range.
+        TypeError
+            Not a cross layer, or ``k``/``v`` not floating.
+        ValueError
+            Shapes wrong, ``t_enc`` out of range, or ``t_enc`` differs from the
+            slot's filled length before eviction. State is unchanged.
+        """
+        api = "fill"
+        layer = self._layer(api, layer, (LayerKind.CROSS_ATTENTION,))
+        b = _check_index(api, "batch_idx", batch_idx, self._config.max_seqs)
+        spec = self._specs[layer]
+        k = _float_tensor(api, "k", k, "[t_enc, kv_heads, head_dim]")
+        v = _float_tensor(api, "v", v, "[t_enc, kv_heads, head_dim]")
+        for name, arr in (("k", k), ("v", v)):
+            if arr.ndim != 3 or arr.shape[1:] != (spec.kv_heads, spec.head_dim):
+                raise ValueError(
+                    f"{api}: {name}.shape={arr.shape}, must be [t_enc, {spec.kv_heads}, {spec.head_dim}]"
+                )
+        if k.shape != v.shape:
+            raise ValueError(f"{api}: v.shape={v.shape} != k.shape={k.shape}")
+        t = k.shape[0]
+        if not 1 <= t <= spec.max_enc_len:
+            raise ValueError(f"{api}: t_enc={t} out of range [1, {spec.max_enc_len}]")
+        if self._enc[b] and self._enc[b] != t:
+            raise ValueError(f"{api}: t_enc={t} != {int(self._enc[b])} already filled for slot {b}")
+        K, V = self._kv[layer]
+        K[b, :t] = k
+        K[b, t:] = 0
+        V[b, :t] = v
+        V[b, t:] = 0
+        self._enc[b] = t
+
+    # ------------------------------------------------------------------ steps
+
+    def _check_slots(self, api: str, slots: np.ndarray) -> None:
+        S = self._config.max_seqs
+        seen: dict[int, int] = {}
+        for i, s in enumerate(slots.tolist()):
+            if not 0 <= s < S:
+                raise IndexError(f"{api}: slot_ids[{i}]={s} out of range [0, {S})")
+            if s in seen:
+                raise ValueError(f"{api}: slot_ids[{i}]={s} duplicates slot_ids[{seen[s]}]")
+            seen[s] = i
+
+    def _blocks_needed(self, slots: np.ndarray, new_len: np.ndarray) -> np.ndarray:
+        """Blocks each row must add so its capacity covers ``new_len``."""
+        need = -(-new_len // self._config.block_size)  # ceil
+        return np.maximum(need - self._nblk[slots], 0)
+
+    def _grow(self, api: str, slots: np.ndarray, add: np.ndarray) -> None:
+        """All-or-nothing: append ``add[i]`` fresh blocks to row ``slots[i]``, rows in order."""
+        total = int(add.sum())
+        free = self._pool.num_free
+        if total > free:
+            raise CapacityError(f"{api}: needs {total} blocks, {free} free or evictable")
+        # Spec §5: one pop from the front for the whole step, handed out in row order.
+        blocks = self._pool.allocate(total)
+        i = 0
+        for s, n in zip(slots.tolist(), add.tolist()):
+            start = int(self._nblk[s])
+            self._table[s, start : start + n] = blocks[i : i + n]
+            self._nblk[s] = start + n
+            i += n
+
+    def prepare_step(self, cu_seqlens_q, past_len, slot_ids) -> StepIndices:
+        """Validate a step, reserve its blocks (paged, all or nothing) and return its indices.
+
+        Does **not** advance ``seq_lens()``; commit with ``update_position``.
+
+        Parameters
+        ----------
+        cu_seqlens_q : int [B+1]
+            Query offsets; ``cu_seqlens_q[0] == 0``, strictly increasing.
+        past_len : int [B]
+            Cached length per row; equals ``seq_lens()[slot_ids]``.
+        slot_ids : int [B]
+            Distinct slots in ``[0, max_seqs)``.
+
+        Returns
+        -------
+        StepIndices
+            ``spec/slot-cache.md`` §3.
+
+        Raises
+        ------
+        TypeError
+            A non-integer array (floats are refused).
+        ValueError
+            Wrong ndim or lengths, ``cu_seqlens_q[0] != 0``, non-increasing
+            offsets, a duplicate slot, ``past_len[b] != seq_lens()[slot_b]``.
+        IndexError
+            A slot out of range.
+        CapacityError
+            ``past + q > max_seq_len``, or (paged) not enough free or evictable
+            blocks. State is unchanged.
+        """
+        api = "prepare_step"
+        cu = _int_vector(api, "cu_seqlens_q", cu_seqlens_q)
+        past = _int_vector(api, "past_len", past_len)
+        slots = _int_vector(api, "slot_ids", slot_ids)
+        B = slots.shape[0]
+        if cu.shape[0] != B + 1:
+            raise ValueError(f"{api}: len(cu_seqlens_q)={cu.shape[0]} != len(slot_ids)+1={B + 1}")
+        if past.shape[0] != B:
+            raise ValueError(f"{api}: len(past_len)={past.shape[0]} != len(slot_ids)={B}")
+        if cu[0] != 0:
+            raise ValueError(f"{api}: cu_seqlens_q[0]={cu[0]}, must be 0")
+        for i in range(1, B + 1):
+            if cu[i] <= cu[i - 1]:
+                raise ValueError(f"{api}: cu_seqlens_q[{i}]={cu[i]} <= cu_seqlens_q[{i - 1}]={cu[i - 1]}, must be strictly increasing")
+        self._check_slots(api, slots)
+        L = self._config.max_seq_len
+        for i, (p, s) in enumerate(zip(past.tolist(), slots.tolist())):
+            if p != self._seq[s]:
+                # Spec §2.8: strict past_len keeps shared blocks out of every write set.
+                raise ValueError(f"{api}: past_len[{i}]={p} but seq_lens()[slot {s}]={int(self._seq[s])}")
+        q_len = np.diff(cu)
+        for i in range(B):
+            if past[i] + q_len[i] > L:
+                raise CapacityError(f"{api}: past_len[{i}]+q_len[{i}]={past[i]}+{q_len[i]}={past[i] + q_len[i]} > max_seq_len={L}")
+        if self._paged:
+            self._grow(api, slots, self._blocks_needed(slots, past + q_len))
+        step = build_step_indices(
+            cu, past, slots,
+            max_seq_len=L, block_size=self._config.block_size,
+            block_table=self._table, enc_lens=self._enc,
+        )
+        if self._paged:
+            self._record_write_sets(slots, step)
+        return step
+
+    def _record_write_sets(self, slots: np.ndarray, step: StepIndices) -> None:
+        bs = self._config.block_size
+        blocks = step.slot_mapping // bs
+        rows = step.batch_indices
+        for i, s in enumerate(slots.tolist()):
+            self._write_sets[s] = frozenset(int(x) for x in blocks[rows == i])
+
+    def reserve(self, slot_ids, n_new_per_seq) -> np.ndarray:
+        """Paged: reserve blocks for ``n_new_per_seq`` more tokens per slot and advance.
+
+        Parameters
+        ----------
+        slot_ids : int [B]
+            Distinct slots in range.
+        n_new_per_seq : int [B]
+            Tokens to add per slot, ``>= 0``.
+
+        Returns
+        -------
+        int32 [B]
+            The pre-advance lengths (write offsets). ``n = 0`` returns the
+            current length and changes nothing for that slot.
+
+        Raises
+        ------
+        RuntimeError
+            Contiguous cache.
+        TypeError, ValueError, IndexError
+            Bad arrays, negative counts, slots out of range or duplicated.
+        CapacityError
+            ``seq + n > max_seq_len`` or not enough blocks. State is unchanged.
+        """
+        api = "reserve"
+        self._require_paged(api)
+        slots = _int_vector(api, "slot_ids", slot_ids)
+        n_new = _int_vector(api, "n_new_per_seq", n_new_per_seq)
+        if n_new.shape[0] != slots.shape[0]:
+            raise ValueError(f"{api}: len(n_new_per_seq)={n_new.shape[0]} != len(slot_ids)={slots.shape[0]}")
+        self._check_slots(api, slots)
+        for i, n in enumerate(n_new.tolist()):
+            if n < 0:
+                raise ValueError(f"{api}: n_new_per_seq[{i}]={n} < 0")
+        L = self._config.max_seq_len
+        before = self._seq[slots].astype(np.int64)
+        after = before + n_new
+        for i in range(slots.shape[0]):
+            if after[i] > L:
+                raise CapacityError(f"{api}: seq_lens()[slot {slots[i]}]+n_new_per_seq[{i}]={before[i]}+{n_new[i]}={after[i]} > max_seq_len={L}")
+        self._grow(api, slots, self._blocks_needed(slots, after))
+        for s, a, n in zip(slots.tolist(), after.tolist(), n_new.tolist()):
+            if n:
+                self._seq[s] = a
+                self._write_sets.pop(s, None)
+        return before.astype(np.int32)
+
+    # ------------------------------------------------------------------ prefix reuse
+
+    def _on_evict(self, h: bytes) -> None:
+        """BlockPool listener: a published block was evicted; its chain link and checkpoint go."""
+        self._parents.pop(h, None)
+        # Spec §4.4: a checkpoint lives only while the block that ends at its boundary is hittable.
+        self._checkpoints.pop(h, None)
+
+    def _chain(self, tokens: np.ndarray, n_blocks: int) -> list[bytes]:
+        cfg = self._config
+        return block_hashes(tokens, cfg.block_size, cfg.hash_algo, hash_seed=cfg.hash_seed, num_blocks=n_blocks)
+
+    def admit(self, batch_idx: int, prompt_ids, addressable_len: int = -1) -> int:
+        """Paged: adopt the longest cached prefix of ``prompt_ids`` into an empty slot.
+
+        Hit = the longest run of leading full blocks whose chained hash is
+        published **and** whose stored tokens equal the prompt's, capped at
+        ``len(prompt) - 1`` (or ``min(addressable_len, len(prompt))``), whole
+        blocks only; with STATE layers cut to the deepest boundary that has a
+        state checkpoint, which is restored (else the slot's state is zeroed).
+        Cross planes are never reused.
+
+        Parameters
+        ----------
+        batch_idx : int
+            An empty slot (``seq_lens()[b] == 0`` and no blocks held).
+        prompt_ids : int [N]
+            ``N >= 1`` token ids (int32 range).
+        addressable_len : int
+            ``-1`` for the default cap ``N - 1``; else ``>= 0``.
+
+        Returns
+        -------
+        int
+            The hit, a multiple of ``block_size``; also the new ``seq_lens()[b]``.
+
+        Raises
+        ------
+        RuntimeError
+            Contiguous cache.
+        IndexError
+            ``batch_idx`` out of range.
+        TypeError
+            Non-integer arguments.
+        ValueError
+            Slot not empty, empty prompt, ``addressable_len < -1``. State is unchanged.
+        """
+        api = "admit"
+        self._require_paged(api)
+        b = _check_index(api, "batch_idx", batch_idx, self._config.max_seqs)
+        tokens = _token_vector(api, "prompt_ids", prompt_ids)
+        addr = _check_scalar(api, "addressable_len", addressable_len)
+        if tokens.shape[0] == 0:
+            raise ValueError(f"{api}: len(prompt_ids)=0, must be >= 1")
+        if addr < -1:
+            raise ValueError(f"{api}: addressable_len={addr} < -1 (-1 means len(prompt_ids)-1)")
+        if self._seq[b] != 0 or self._nblk[b] != 0:
+            raise ValueError(f"{api}: batch_idx={b} holds seq_len={int(self._seq[b])} and {int(self._nblk[b])} blocks, must be empty")
+        P = self._config.block_size
+        # Spec §4.1: at least one token must be computed for logits, so the default cap is len-1.
+        limit = tokens.shape[0] - 1 if addr == -1 else min(addr, tokens.shape[0])
+        hits: list[int] = []
+        hashes: list[bytes] = []
+        if self._config.enable_prefix_caching:
+            hashes = self._chain(tokens, limit // P)
+            for i, h in enumerate(hashes):
+                blk = self._pool.lookup(h, tokens[i * P : (i + 1) * P])
+                if blk is None:
+                    break
+                hits.append(blk)
+        checkpoint = None
+        if self._has_state:
+            # Spec §4.3: a hybrid hit is valid only where a state checkpoint exists.
+            k = len(hits)
+            while k > 0 and hashes[k - 1] not in self._checkpoints:
+                k -= 1
+            hits = hits[:k]
+            if k:
+                checkpoint = hashes[k - 1]
+        # ---- commit (nothing below can fail)
+        for col, blk in enumerate(hits):
+            self._pool.touch(blk)
+            self._table[b, col] = blk
+        self._nblk[b] = len(hits)
+        self._nshared[b] = len(hits)
+        self._seq[b] = len(hits) * P
+        self._write_sets.pop(b, None)
+        if checkpoint is None:
+            self._zero_state(b)
+        else:
+            self._checkpoints.move_to_end(checkpoint)
+            self._restore_state(b, self._checkpoints[checkpoint])
+        return len(hits) * P
+
+    def _state_slabs(self) -> list[np.ndarray]:
+        out = []
+        for l in sorted(self._conv):
+            out.extend(self._conv[l])
+            if self._rec[l] is not None:
+                out.append(self._rec[l])
+        return out
+
+    def _restore_state(self, b: int, saved: list[np.ndarray]) -> None:
+        for slab, row in zip(self._state_slabs(), saved):
+            slab[b] = row
+
+    def retire(self, batch_idx: int, full_token_ids, addressable_len: int = -1) -> None:
+        """Paged: publish a finished slot's full blocks for reuse, then free it like ``evict_batch``.
+
+        ``a = min(len(full_token_ids), seq_lens()[b])`` (or ``addressable_len``).
+        Every full block below ``a`` is published under its chained hash; a
+        block whose content is already published keeps the existing copy and
+        ours is freed unpublished. With STATE layers and ``a == seq_len``,
+        ``a % block_size == 0``, ``a > 0``, the slot's state slabs are saved as
+        a checkpoint keyed by the hash of the block ending at ``a``.
+
+        Parameters
+        ----------
+        batch_idx : int
+            Slot.
+        full_token_ids : int [N]
+            Every token the session saw (may include a last token never written).
+        addressable_len : int
+            ``-1`` for the default; else ``0 <= a <= min(N, seq_len)``.
+
+        Raises
+        ------
+        RuntimeError
+            Contiguous cache.
+        IndexError
+            ``batch_idx`` out of range.
+        TypeError
+            Non-integer arguments.
+        ValueError
+            ``addressable_len`` out of bounds, or ``full_token_ids`` disagree
+            with the tokens of the slot's adopted blocks. State is unchanged.
+        """
+        api = "retire"
+        self._require_paged(api)
+        b = _check_index(api, "batch_idx", batch_idx, self._config.max_seqs)
+        tokens = _token_vector(api, "full_token_ids", full_token_ids)
+        addr = _check_scalar(api, "addressable_len", addressable_len)
+        seq = int(self._seq[b])
+        n = tokens.shape[0]
+        if addr < -1:
+            raise ValueError(f"{api}: addressable_len={addr} < -1 (-1 means min(len(full_token_ids), seq_len))")
+        if addr > seq:
+            raise ValueError(f"{api}: addressable_len={addr} > seq_lens()[{b}]={seq}")
+        if addr > n:
+            raise ValueError(f"{api}: addressable_len={addr} > len(full_token_ids)={n}")
+        a = min(n, seq) if addr == -1 else addr
+        P = self._config.block_size
+        nshared = int(self._nshared[b])
+        if n < nshared * P:
+            raise ValueError(f"{api}: len(full_token_ids)={n} < adopted prefix={nshared * P} of slot {b}")
+        for col in range(nshared):
+            # Spec §4.2: the adopted prefix is fixed; tokens that contradict it would publish a false chain.
+            stored = self._pool.block_tokens[int(self._table[b, col])]
+            mine = tokens[col * P : (col + 1) * P]
+            diff = np.flatnonzero(stored != mine)
+            if diff.size:
+                j = col * P + int(diff[0])
+                raise ValueError(f"{api}: full_token_ids[{j}]={mine[diff[0]]} but adopted block {col} holds {stored[diff[0]]}")
+        n_pub = a // P if self._config.enable_prefix_caching else 0
+        hashes = self._chain(tokens, n_pub)
+        # ---- commit (nothing below can fail)
+        parent = root_hash(self._config.hash_seed)  # Spec §4.1: the slot cache's chain has no salt
+        for col, h in enumerate(hashes):
+            blk = int(self._table[b, col])
+            canonical = self._pool.publish(blk, h, tokens[col * P : (col + 1) * P])
+            # Spec §4.2: a twin keeps the existing copy; ours stays unpublished and is freed to the front.
+            if canonical == blk and self._pool.block_hash[blk] == h:
+                self._parents[h] = parent
+            parent = h
+        ncp = self._config.resolved_num_state_checkpoints
+        if self._has_state and ncp > 0 and n_pub and a == seq and a % P == 0:
+            key = hashes[-1]
+            if self._pool.contains_hash(key):
+                self._checkpoints[key] = [slab[b].copy() for slab in self._state_slabs()]
+                self._checkpoints.move_to_end(key)
+                while len(self._checkpoints) > ncp:
+                    # Spec §4.3: least recently used checkpoint dropped first.
+                    self._checkpoints.popitem(last=False)
+        self._release(b)
+
+    # ------------------------------------------------------------------ invariants
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` (``check_invariants: ...``) naming the first broken invariant.
+
+        ``spec/slot-cache.md`` §6: lengths within capacity; paged: live table
+        entries non-null and dead ones null, ref count == table references,
+        free / retained / in-use partition the non-null blocks, adopted
+        blocks published, every published block's hash recomputes from its
+        parent and stored tokens, checkpoints keyed by published hashes and
+        at most ``num_state_checkpoints``, no shared block in a write set.
+        """
+        p = "check_invariants"
+        cfg = self._config
+        S, P = cfg.max_seqs, cfg.block_size
+        assert self._seq.dtype == np.int32 and self._seq.shape == (S,), f"{p}: seq_lens dtype={self._seq.dtype} shape={self._seq.shape}"
+        for s in range(S):
+            seq, cap = int(self._seq[s]), self._capacity(s)
+            assert 0 <= seq <= cap, f"{p}: seq_lens()[{s}]={seq} outside [0, capacity={cap}]"
+            assert 0 <= self._nshared[s] <= self._nblk[s], f"{p}: slot {s} nshared={self._nshared[s]} > nblk={self._nblk[s]}"
+            assert self._nshared[s] * P <= seq, f"{p}: seq_lens()[{s}]={seq} < shared prefix={self._nshared[s] * P}"
+        for l, spec in enumerate(self._specs):
+            if spec.kind is LayerKind.CROSS_ATTENTION:
+                for s in range(S):
+                    assert 0 <= self._enc[s] <= spec.max_enc_len, f"{p}: enc_len[{s}]={self._enc[s]} > max_enc_len={spec.max_enc_len} of layer {l}"
+        ncp = cfg.resolved_num_state_checkpoints
+        assert len(self._checkpoints) <= ncp, f"{p}: {len(self._checkpoints)} state checkpoints > num_state_checkpoints={ncp}"
+        if not self._paged:
+            assert not self._checkpoints and not self._parents, f"{p}: contiguous cache holds prefix state"
+            return
+        refs: dict[int, int] = {}
+        for s in range(S):
+            n = int(self._nblk[s])
+            assert n <= cfg.max_blocks_per_seq, f"{p}: slot {s} holds {n} blocks > max_blocks_per_seq={cfg.max_blocks_per_seq}"
+            for c in range(cfg.max_blocks_per_seq):
+                blk = int(self._table[s, c])
+                if c < n:
+                    assert blk != NULL_BLOCK, f"{p}: table[{s}, {c}]=0 but slot {s} holds {n} blocks"
+                    refs[blk] = refs.get(blk, 0) + 1
+                else:
+                    assert blk == NULL_BLOCK, f"{p}: table[{s}, {c}]={blk} beyond slot {s}'s {n} blocks"
+            for c in range(int(self._nshared[s])):
+                blk = int(self._table[s, c])
+                assert self._pool.is_published(blk), f"{p}: adopted block {blk} (slot {s} column {c}) is not published"
+        pool = self._pool
+        pool.check_invariants(refs)
+        free = set(pool.free_order())
+        retained = {b for b in free if pool.is_published(b)}
+        in_use = set(refs)
+        assert len(free) + len(in_use) == pool.num_usable and not (free & in_use), (
+            f"{p}: free={len(free)} (retained={len(retained)}) + in_use={len(in_use)} != {pool.num_usable} blocks"
+        )
+        for h, blk in pool.hash_to_block.items():
+            parent = self._parents.get(h)
+            assert parent is not None, f"{p}: published block {blk} has no recorded parent hash"
+            again = block_hash(parent, pool.block_tokens[blk], cfg.hash_algo)
+            assert again == h, f"{p}: published block {blk} tokens hash to {again.hex()[:12]}, index says {h.hex()[:12]}"
+        assert set(self._parents) == set(pool.hash_to_block), (
+            f"{p}: {len(self._parents)} parent links for {len(pool.hash_to_block)} published blocks"
+        )
+        for h in self._checkpoints:
+            assert h in pool.hash_to_block, f"{p}: state checkpoint {h.hex()[:12]} has no published block"
+        for s, blocks in self._write_sets.items():
+            shared = {int(x) for x in self._table[s, : int(self._nshared[s])]}
+            for blk in blocks:
+                assert blk not in shared and not pool.is_published(blk) and pool.ref_count[blk] == 1, (
+                    f"{p}: block {blk} in slot {s}'s write set is shared (ref_count={pool.ref_count[blk]}, "
+                    f"published={pool.is_published(blk)})"
+                )
