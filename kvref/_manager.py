@@ -1,0 +1,1309 @@
+"""The reference request manager ``PagedKVCacheManager`` (DESIGN §5, spec/manager.md).
+
+A scheduler claims a request on a replica, ``alloc``-ates the pages its next
+forward needs (reusing cached prefixes), builds the paged-attention inputs
+with ``runtime_inputs``, commits what the forward wrote with ``step`` and
+finally ``release``-s. One ``kvref._block_pool.BlockPool`` per replica and
+leaf holds the free list, ref counts and prefix index; ``kvspec.hashing``
+is the hash chain.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvspec import hashing
+from kvspec._config import check_int, parse_device
+from kvspec._connector import KVConnector, NullConnector
+from kvspec._dtypes import STATE_DTYPES
+from kvspec._manager_types import (
+    BlockCount,
+    ByteCount,
+    CompletedTransfer,
+    KVCacheInputs,
+    KVCacheInputsPerDevice,
+    KVCacheMetrics,
+    KVCacheParams,
+    KVTransfer,
+    LeafKind,
+    PrefixCacheHits,
+    TextContext,
+)
+from kvspec.errors import InsufficientBlocksError, KVLoadFailed, KVLoadRefused
+
+from ._block_pool import NULL_BLOCK, BlockPool
+from ._leaves import Leaf, joint_hit
+
+__all__ = ["PagedKVCacheManager"]
+
+#: Lookup-table columns are rounded up to a multiple of this (Spec §7.3).
+LUT_ALIGN = 8
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass
+class _Load:
+    """An onload in flight: pages pinned, published only when it lands."""
+
+    replica: int
+    request_id: str | None  # None once the request was released
+    start: int  # row index of the first loaded block
+    pages: list[int]
+    hashes: list[bytes]
+    tokens: np.ndarray  # int32 [n, page_size]
+    handle: Any
+    state: str = "pending"  # "pending" | "landed" | "failed"
+    error: BaseException | None = None
+
+
+@dataclass
+class _Offload:
+    """An offload in flight: its source pages are pinned until it completes."""
+
+    replica: int
+    pages: list[int]
+    handle: Any
+
+
+@dataclass
+class _Request:
+    """Per-request state of a claimed context."""
+
+    ctx: TextContext
+    replica: int
+    rows: dict[str, list[int]]
+    dummy: bool = False
+    hashes: list[bytes] = field(default_factory=list)
+    committed: int = 0  # leading row blocks published (or loading)
+    nulled: dict[str, int] = field(default_factory=dict)  # sliding: leading null slots
+    restore: dict[str, int] = field(default_factory=dict)  # recurrent: checkpoint page to resume from
+    ext_point: bool = False  # the external stage may still run for this admission
+    lookup: tuple[int, int] | None = None  # (first block, blocks held) from start_lookup
+    lookup_pending: bool = False  # a deferred alloc left the external stage to do
+    skip_connector: bool = False
+    load: _Load | None = None
+    stepped_during_load: bool = False
+    ran_past: bool = False
+    step_gen: int = 0
+    counted_gen: int = -1
+    counted_active: int = 0
+
+    def clone(self) -> "_Request":
+        c = _Request(**{k: getattr(self, k) for k in self.__dataclass_fields__})
+        c.rows = {k: list(v) for k, v in self.rows.items()}
+        c.hashes = list(self.hashes)
+        c.nulled = dict(self.nulled)
+        c.restore = dict(self.restore)
+        return c
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+# --------------------------------------------------------------------------- manager
+
+
+class PagedKVCacheManager:
+    """Request-level paged KV cache with prefix caching, replicas and tiers.
+
+    Parameters
+    ----------
+    params : KVCacheParams
+        Geometry, leaves, hashing and tier sizes.
+    num_blocks : int
+        Pages per replica and leaf **including** the null block 0 (>= 2;
+        >= 3 with a recurrent leaf and prefix caching).
+    max_batch_size : int
+        Most contexts one replica batch of ``runtime_inputs`` may hold (>= 1).
+    max_seq_len : int
+        Longest context (>= 1); longer ones are refused with ``ValueError``.
+    device : str
+        ``"cpu"`` (kvref stores NumPy arrays only).
+    connector : KVConnector, optional
+        External tiers. ``None``: a ``TieredConnector`` when
+        ``params.host_offload_bytes`` or ``disk_offload_bytes`` is non-zero,
+        else ``NullConnector()``.
+
+    Notes
+    -----
+    Storage per replica: a full or sliding leaf owns a buffer
+    ``[num_blocks, 2, num_layers, page_size, kv_heads, head_dim]`` of
+    ``params.dtype``; a recurrent leaf ``[num_blocks, *state_shape]`` of its
+    state dtype. Block 0 of each is the null page.
+
+    Examples
+    --------
+    >>> from kvref import PagedKVCacheManager, KVCacheParams, TextContext
+    >>> m = PagedKVCacheManager(KVCacheParams(page_size=4, num_layers=1, kv_heads=1, head_dim=2),
+    ...                         num_blocks=9, max_batch_size=4, max_seq_len=32)
+    >>> ctx = TextContext("a", list(range(10)))
+    >>> m.claim(ctx); _ = m.alloc(ctx)
+    >>> m.get_req_blocks_per_leaf(ctx)
+    {'full': [1, 2, 3]}
+    >>> inp = m.runtime_inputs([[ctx]]).inputs[0]
+    >>> inp.lookup_table.shape, int(inp.cache_lengths[0])
+    ((1, 8), 0)
+    >>> ctx.update(7); m.step(ctx); m.release(ctx)
+    """
+
+    def __init__(
+        self,
+        params: KVCacheParams,
+        *,
+        num_blocks: int,
+        max_batch_size: int,
+        max_seq_len: int,
+        device: str = "cpu",
+        connector: KVConnector | None = None,
+    ):
+        o = "PagedKVCacheManager"
+        if not isinstance(params, KVCacheParams):
+            raise TypeError(f"{o}: params={params!r}, must be a KVCacheParams")
+        num_blocks = check_int(o, "num_blocks", num_blocks, low=2)
+        max_batch_size = check_int(o, "max_batch_size", max_batch_size, low=1)
+        max_seq_len = check_int(o, "max_seq_len", max_seq_len, low=1)
+        kind, _ = parse_device(o, device)
+        if kind != "cpu":
+            raise ValueError(f"{o}: device={device!r}, kvref stores NumPy arrays and supports only 'cpu'")
+        leaves = [Leaf(lid, spec, params.page_size) for lid, spec in params.leaves().items()]
+        if any(leaf.is_recurrent for leaf in leaves) and params.enable_prefix_caching and num_blocks < 3:
+            raise ValueError(f"{o}: num_blocks={num_blocks}, must be >= 3 with a recurrent leaf (live + successor)")
+        if connector is not None and not isinstance(connector, KVConnector):
+            raise TypeError(f"{o}: connector={connector!r} does not implement kvspec.KVConnector")
+
+        self._params = params
+        self._num_blocks = num_blocks
+        self._max_batch_size = max_batch_size
+        self._max_seq_len = max_seq_len
+        self._device = device
+        self._page = params.page_size
+        self._dp = params.data_parallel_degree
+        self._caching = params.enable_prefix_caching
+        self._leaves = leaves
+        self._leaf = {leaf.leaf_id: leaf for leaf in leaves}
+        self._paged_leaves = [leaf for leaf in leaves if not leaf.is_recurrent]
+        self._salted_roots: dict[bytes, bytes] = {}
+        # Spec §8.1: tiers and cross-replica copies serve single full-leaf managers.
+        self._simple = len(leaves) == 1 and leaves[0].kind is LeafKind.FULL
+        self._conn_leaf = self._paged_leaves[0].leaf_id
+
+        self._pools: list[dict[str, BlockPool]] = []
+        self._buffers: list[dict[str, np.ndarray]] = []
+        for _ in range(self._dp):
+            self._pools.append({leaf.leaf_id: BlockPool(num_blocks) for leaf in leaves})
+            bufs = {}
+            for leaf in leaves:
+                if leaf.is_recurrent:
+                    shape = (num_blocks, *leaf.spec.state_shape)
+                    bufs[leaf.leaf_id] = np.zeros(shape, dtype=STATE_DTYPES[leaf.spec.state_dtype])
+                else:
+                    bufs[leaf.leaf_id] = np.zeros((num_blocks, *params.page_shape), dtype=params.np_dtype)
+            self._buffers.append(bufs)
+
+        self._requests: dict[str, _Request] = {}
+        self._metrics = KVCacheMetrics()
+        self._pins: list[Counter] = [Counter() for _ in range(self._dp)]
+        self._offload_queue: list[list[list[tuple[bytes, np.ndarray]]]] = [[] for _ in range(self._dp)]
+        self._loads: list[_Load] = []
+        self._offloads: list[_Offload] = []
+
+        if connector is None:
+            if params.host_offload_bytes or params.disk_offload_bytes:
+                from ._tiers import TieredConnector
+
+                connector = TieredConnector(
+                    params.host_offload_bytes, params.disk_offload_bytes, params.disk_offload_dir
+                )
+            else:
+                connector = NullConnector()
+        self._connector = connector
+        # Spec §8.1: the null connector is never called on the hot path.
+        self._uses_connector = self._simple and self._caching and not isinstance(connector, NullConnector)
+        connector.attach([self._buffers[r][self._conn_leaf] for r in range(self._dp)], params)
+
+    # ================================================================== properties
+
+    @property
+    def params(self) -> KVCacheParams:
+        """The ``KVCacheParams`` the manager was built with."""
+        return self._params
+
+    @property
+    def chunk_alignment_tokens(self) -> int:
+        """``page_size`` when prefix caching is on and a recurrent leaf exists, else 0.
+
+        Spec §2.4: chunks then end at page boundaries so state checkpoints publish.
+        """
+        if self._caching and any(leaf.is_recurrent for leaf in self._leaves):
+            return self._page
+        return 0
+
+    @property
+    def effective_max_seq_length(self) -> int:
+        """Longest context one forward can take on an empty pool:
+        ``min(max_seq_len, (num_blocks - 1) * page_size)``."""
+        return min(self._max_seq_len, (self._num_blocks - 1) * self._page)
+
+    # ================================================================== validation helpers
+
+    def _replica(self, op: str, replica_idx) -> int:
+        if not _is_int(replica_idx):
+            raise TypeError(f"{op}: replica_idx={replica_idx!r}, must be an int")
+        r = int(replica_idx)
+        if not 0 <= r < self._dp:
+            raise IndexError(f"{op}: replica_idx={r} out of range [0, {self._dp})")
+        return r
+
+    @staticmethod
+    def _ctx(op: str, ctx) -> TextContext:
+        if not isinstance(ctx, TextContext):
+            raise TypeError(f"{op}: ctx={ctx!r}, must be a TextContext")
+        return ctx
+
+    def _req(self, op: str, ctx, *, allow_id: bool = False) -> _Request:
+        if allow_id and isinstance(ctx, str):
+            rid = ctx
+        else:
+            rid = self._ctx(op, ctx).request_id
+        req = self._requests.get(rid)
+        if req is None:
+            raise ValueError(f"{op}: request_id={rid!r} is not claimed, so it holds no pages; call claim first")
+        if isinstance(ctx, TextContext) and req.ctx is not ctx:
+            # Spec §2.1: a new context object for a claimed id replaces the old one.
+            if np.array_equal(req.ctx.tokens[: len(req.hashes) * self._page],
+                              ctx.tokens[: len(req.hashes) * self._page]):
+                req.ctx = ctx
+            else:
+                raise ValueError(f"{op}: request_id={rid!r} was claimed with other tokens")
+        return req
+
+    def _check_len(self, op: str, ctx: TextContext) -> None:
+        if len(ctx) > self._max_seq_len:
+            raise ValueError(f"{op}: len(ctx)={len(ctx)} > max_seq_len={self._max_seq_len}")
+
+    def _required_blocks(self, ctx: TextContext) -> int:
+        return math.ceil(ctx.current_position / self._page)
+
+    # ================================================================== hashing
+
+    def _root(self, salt) -> bytes:
+        key = hashing.salt_bytes(salt)
+        root = self._salted_roots.get(key)
+        if root is None:
+            root = hashing.root_hash(self._params.hash_seed, salt)
+            self._salted_roots[key] = root
+        return root
+
+    def _block_tokens(self, tokens: np.ndarray, i: int) -> np.ndarray:
+        return tokens[i * self._page : (i + 1) * self._page]
+
+    def _hashes_for(self, ctx: TextContext, have: list[bytes]) -> list[bytes]:
+        """Chained hashes of ctx's full blocks, never covering the last token (Spec §3.1)."""
+        n = (len(ctx) - 1) // self._page
+        if len(have) >= n:
+            return list(have[:n])
+        parent = have[-1] if have else self._root(ctx.cache_salt)
+        more = hashing.block_hashes(
+            ctx.tokens[len(have) * self._page : n * self._page], self._page, self._params.hash_algo, parent=parent
+        )
+        return list(have) + list(more)
+
+    def _resident(self, r: int, hashes: list[bytes], tokens: np.ndarray):
+        """``{leaf_id: resident(i)}`` over replica r's pools, memoised."""
+        out = {}
+        for leaf in self._leaves:
+            pool = self._pools[r][leaf.leaf_id]
+            memo: dict[int, bool] = {}
+
+            def resident(i, pool=pool, memo=memo):
+                if i not in memo:
+                    memo[i] = pool.lookup(hashes[i], self._block_tokens(tokens, i)) is not None
+                return memo[i]
+
+            out[leaf.leaf_id] = resident
+        return out
+
+    def _peer_source(self, r: int, h: bytes, toks: np.ndarray) -> tuple[int, int] | None:
+        """A peer replica's published page for ``h`` (source rotated by hash and destination)."""
+        start = int.from_bytes(h[:8], "little") + r
+        for j in range(self._dp):
+            src = (start + j) % self._dp
+            if src == r:
+                continue
+            page = self._pools[src][self._conn_leaf].lookup(h, toks)
+            if page is not None:
+                return src, page
+        return None
+
+    def _device_hit(self, r: int, hashes: list[bytes], tokens: np.ndarray, cap: int) -> tuple[int, int]:
+        """(local hit, peer-extendable hit) in blocks, both ``<= cap``."""
+        local = joint_hit(self._leaves, cap, self._resident(r, hashes, tokens))
+        reach = local
+        if self._simple and self._dp > 1:
+            while reach < cap and self._peer_source(r, hashes[reach], self._block_tokens(tokens, reach)):
+                reach += 1
+        return local, reach
+
+    # ================================================================== claim / contains / release
+
+    def claim(self, ctx: TextContext, replica_idx: int = 0) -> None:
+        """Pin ``ctx`` to a replica with empty rows.
+
+        Parameters
+        ----------
+        ctx : TextContext
+        replica_idx : int
+            ``0 <= replica_idx < data_parallel_degree``.
+
+        Raises
+        ------
+        TypeError
+            ``ctx`` is not a TextContext or ``replica_idx`` not an int.
+        IndexError
+            ``replica_idx`` out of range.
+        ValueError
+            Already claimed (on any replica), or ``len(ctx) > max_seq_len``.
+            State is unchanged.
+        """
+        op = "claim"
+        self._ctx(op, ctx)
+        r = self._replica(op, replica_idx)
+        old = self._requests.get(ctx.request_id)
+        if old is not None:
+            raise ValueError(f"claim: request_id={ctx.request_id!r} is already claimed, on replica {old.replica}")
+        self._check_len(op, ctx)
+        self._requests[ctx.request_id] = _Request(ctx=ctx, replica=r, rows={leaf.leaf_id: [] for leaf in self._leaves})
+
+    def contains(self, ctx: TextContext | str) -> bool:
+        """Whether the request (a context or its id) is claimed on any replica."""
+        if isinstance(ctx, str):
+            return ctx in self._requests
+        return self._ctx("contains", ctx).request_id in self._requests
+
+    def release(self, ctx: TextContext | str) -> None:
+        """Free the request's pages, tail first, and forget it.
+
+        Spec §5.4: rows are freed in reverse so a chain's tail is evicted
+        before its head; published pages stay hittable until evicted. A load
+        still in flight keeps its pages pinned until it lands (then they are
+        published) or fails (then they are freed unpublished).
+
+        Raises
+        ------
+        TypeError
+            ``ctx`` neither a TextContext nor a str.
+        ValueError
+            Not claimed (also on a second release). State is unchanged.
+        """
+        req = self._req("release", ctx, allow_id=True)
+        r = req.replica
+        del self._requests[req.ctx.request_id]
+        if req.dummy:
+            return
+        if req.load is not None:
+            req.load.request_id = None
+        for leaf in self._leaves:
+            self._pools[r][leaf.leaf_id].free(list(reversed(req.rows[leaf.leaf_id])))
+        if self._uses_connector and req.committed:
+            self._connector.touch(req.hashes[: req.committed], r)
+
+    # ================================================================== allocation
+
+    def alloc(self, ctx: TextContext, *, defer_lookup: bool = False) -> KVTransfer:
+        """Give the request the pages its next forward needs, reusing a cached prefix.
+
+        Drains finished transfers first. At the reuse point (the request holds
+        no pages and ``processed_length == 0``) the joint device hit is spliced
+        in (``ctx.skip_processing``), then every row grows to exactly
+        ``ceil(current_position / page_size)`` blocks, then the external stage
+        may load more blocks from the connector into the fresh pages.
+
+        Parameters
+        ----------
+        ctx : TextContext
+            A claimed context.
+        defer_lookup : bool
+            Do only the device part; when the connector might hold more the
+            request awaits ``start_lookup`` and the next ``alloc``.
+
+        Returns
+        -------
+        KVTransfer
+            ``CompletedTransfer()`` or the in-flight load; the forward must
+            not run before it completes.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Bad argument, unclaimed, ``len(ctx) > max_seq_len``.
+        RuntimeError
+            A forward ran past a failed load (chained from ``KVLoadFailed``).
+        InsufficientBlocksError
+            Not enough free or evictable pages: nothing is drawn, the splice
+            is rolled back; ctx, counts and metrics are as before.
+        """
+        op = "alloc"
+        req = self._req(op, ctx)
+        if not isinstance(defer_lookup, bool):
+            raise TypeError(f"alloc: defer_lookup={defer_lookup!r}, must be a bool")
+        self._check_len(op, ctx)
+        if req.dummy:
+            return self._size_dummy(req)
+        self._drain()  # Spec §8.2: finished transfers land before anything is sized.
+        if req.load is not None and req.load.state == "failed" and req.ran_past:
+            raise RuntimeError(
+                f"alloc: request_id={ctx.request_id!r} ran past a failed load of {len(req.load.pages)} blocks "
+                f"at block {req.load.start}; release it and recompute"
+            ) from req.load.error
+        snap = self._snapshot(req)
+        try:
+            return self._alloc(req, ctx, defer_lookup)
+        except BaseException:
+            self._restore(snap)
+            raise
+
+    def _alloc(self, req: _Request, ctx: TextContext, defer_lookup: bool) -> KVTransfer:
+        if req.load is not None and req.load.state == "failed":
+            self._undo_failed_load(req, ctx)
+        copies: list[tuple[str, int, int, int]] = []
+        touch_hashes: list[bytes] = []
+        if self._at_reuse_point(req, ctx):
+            touch_hashes = self._splice_device_hit(req, ctx, copies)
+        self._grow(req, ctx, copies)
+        self._run_copies(req, copies)
+        if touch_hashes and self._uses_connector:
+            self._connector.touch(touch_hashes, req.replica)
+        transfer: KVTransfer = CompletedTransfer()
+        if self._external_stage_due(req, ctx):
+            if defer_lookup and req.lookup is None:
+                req.lookup_pending = True  # Spec §8.4: awaits start_lookup and the next alloc
+            else:
+                transfer = self._load_external(req, ctx)
+        # Spec §6.1: input_tokens counts each forward's active tokens once.
+        if req.counted_gen == req.step_gen:
+            self._metrics.input_tokens += ctx.active_length - req.counted_active
+        else:
+            self._metrics.input_tokens += ctx.active_length
+        req.counted_gen, req.counted_active = req.step_gen, ctx.active_length
+        return transfer
+
+    def _at_reuse_point(self, req: _Request, ctx: TextContext) -> bool:
+        # Spec §3.3: reuse only while the request holds no pages and nothing is processed.
+        return (
+            self._caching
+            and ctx.processed_length == 0
+            and all(not row for row in req.rows.values())
+        )
+
+    def _splice_device_hit(self, req: _Request, ctx: TextContext, copies: list) -> list[bytes]:
+        r, page = req.replica, self._page
+        tokens = ctx.tokens
+        req.hashes = self._hashes_for(ctx, req.hashes)
+        cap = min(len(req.hashes), (ctx.active_length - 1) // page)
+        local, reach = self._device_hit(r, req.hashes, tokens, cap)
+        k = local
+        for leaf in self._leaves:
+            pool = self._pools[r][leaf.leaf_id]
+            if leaf.is_recurrent:
+                if k:
+                    c = pool.lookup(req.hashes[k - 1], self._block_tokens(tokens, k - 1))
+                    pool.touch(c)
+                    req.restore[leaf.leaf_id] = c
+                continue
+            lo = leaf.window_start(k)
+            row = [NULL_BLOCK] * lo
+            for i in range(lo, k):
+                b = pool.lookup(req.hashes[i], self._block_tokens(tokens, i))
+                pool.touch(b)
+                row.append(b)
+            req.rows[leaf.leaf_id] = row
+            req.nulled[leaf.leaf_id] = lo
+        if reach > local:
+            # Spec §8.3: a hit held only by peers is copied into local pages, best effort.
+            pool = self._pools[r][self._conn_leaf]
+            n = min(reach - local, pool.num_free)
+            if n:
+                pages = pool.allocate(n)
+                for j, b in enumerate(pages):
+                    i = local + j
+                    toks = self._block_tokens(tokens, i)
+                    src, src_page = self._peer_source(r, req.hashes[i], toks)
+                    pool.publish(b, req.hashes[i], toks)
+                    copies.append(("peer", src, src_page, b))
+                req.rows[self._conn_leaf].extend(pages)
+                self._metrics.cross_replica_blocks_copied += n
+                self._metrics.cross_replica_bytes_copied += n * self._params.page_bytes(self._conn_leaf)
+                k = local + n
+        req.committed = k
+        if k:
+            ctx.skip_processing(k * page)
+        ctx.cached_prefix_length = k * page
+        ctx.cached_prefix_external_length = 0
+        self._metrics.cache_tokens += k * page
+        self._metrics.device_blocks_served += k
+        req.ext_point = True
+        return list(req.hashes[:k])
+
+    def _grow(self, req: _Request, ctx: TextContext, copies: list) -> None:
+        """Draw every leaf's missing pages, all or nothing (Spec §4.1)."""
+        r = req.replica
+        need = {}
+        required = self._required_blocks(ctx)
+        for leaf in self._leaves:
+            row = req.rows[leaf.leaf_id]
+            if leaf.is_recurrent:
+                n = (0 if row else 1) + (1 if self._caching and len(row) < 2 else 0)
+            else:
+                n = max(required - len(row), 0)
+            free = self._pools[r][leaf.leaf_id].num_free
+            if n > free:
+                raise InsufficientBlocksError(
+                    f"alloc: request_id={ctx.request_id!r} needs {n} blocks of leaf {leaf.leaf_id!r}, "
+                    f"{free} free or evictable on replica {r}"
+                )
+            need[leaf.leaf_id] = n
+        for leaf in self._leaves:
+            n = need[leaf.leaf_id]
+            if not n:
+                continue
+            row = req.rows[leaf.leaf_id]
+            pages = self._pools[r][leaf.leaf_id].allocate(n)
+            if leaf.is_recurrent and not row:
+                src = req.restore.get(leaf.leaf_id)
+                copies.append(("restore", leaf.leaf_id, src if src is not None else NULL_BLOCK, pages[0]))
+            row.extend(pages)
+
+    def _run_copies(self, req: _Request, copies: list) -> None:
+        """Byte copies of an alloc, run only once nothing can fail any more."""
+        r = req.replica
+        for kind, a, src, dst in copies:
+            if kind == "peer":
+                self._buffers[r][self._conn_leaf][dst] = self._buffers[a][self._conn_leaf][src]
+            else:
+                buf = self._buffers[r][a]
+                if src == NULL_BLOCK:
+                    buf[dst] = 0  # Spec §5.3: a fresh recurrent state starts at zero
+                else:
+                    buf[dst] = buf[src]
+        for lid, c in req.restore.items():
+            self._pools[r][lid].free([c])
+        req.restore.clear()
+
+    def _size_dummy(self, req: _Request) -> KVTransfer:
+        n = self._required_blocks(req.ctx)
+        for leaf in self._leaves:
+            row = req.rows[leaf.leaf_id]
+            want = 1 if leaf.is_recurrent else n
+            if len(row) < want:
+                row.extend([NULL_BLOCK] * (want - len(row)))
+        return CompletedTransfer()
+
+    def alloc_dummy(self, ctx: TextContext, replica_idx: int = 0) -> None:
+        """Claim ``ctx`` on ``replica_idx`` with rows of null pages (DP batch padding).
+
+        No ref count or ``block_count`` changes; ``release`` frees nothing;
+        ``step`` is a no-op; ``runtime_inputs`` gives it an all-null row.
+
+        Raises
+        ------
+        TypeError, IndexError, ValueError
+            As ``claim``. State is unchanged.
+        """
+        op = "alloc_dummy"
+        self._ctx(op, ctx)
+        r = self._replica(op, replica_idx)
+        old = self._requests.get(ctx.request_id)
+        if old is not None:
+            raise ValueError(f"alloc_dummy: request_id={ctx.request_id!r} is already claimed, on replica {old.replica}")
+        self._check_len(op, ctx)
+        req = _Request(ctx=ctx, replica=r, rows={leaf.leaf_id: [] for leaf in self._leaves}, dummy=True)
+        self._size_dummy(req)
+        self._requests[ctx.request_id] = req
+
+    # ================================================================== external stage
+
+    def _external_stage_due(self, req: _Request, ctx: TextContext) -> bool:
+        return (
+            self._uses_connector
+            and req.ext_point
+            and not req.skip_connector
+            and ctx.processed_length == req.committed * self._page
+            and req.committed < len(req.hashes)
+        )
+
+    def _load_external(self, req: _Request, ctx: TextContext) -> KVTransfer:
+        r, page, k = req.replica, self._page, req.committed
+        tokens = ctx.tokens
+        max_n = min(len(req.hashes) - k, (ctx.active_length - 1) // page)
+        if req.lookup is not None:
+            start, held = req.lookup
+            n = max(0, start + held - k) if start <= k else 0
+        else:
+            n = self._lookup(req, ctx, k)
+        req.lookup, req.lookup_pending, req.ext_point = None, False, False
+        n = min(n, max_n)
+        if n <= 0:
+            return CompletedTransfer()
+        pages = req.rows[self._conn_leaf][k : k + n]
+        hashes = req.hashes[k : k + n]
+        toks = np.array(tokens[k * page : (k + n) * page], dtype=np.int32).reshape(n, page)
+        try:
+            handle = self._connector.load(pages, hashes, toks, r)
+            done = handle.is_complete()
+        except KVLoadRefused:
+            # Spec §8.5: a refused load is a clean miss; the pages stay the request's.
+            self._metrics.connector_loads_refused += 1
+            return CompletedTransfer()
+        except KVLoadFailed:
+            # Spec §8.6: failed at post or first poll: miss at the device hit, skip the connector.
+            self._metrics.connector_load_failures += 1
+            req.skip_connector = True
+            return CompletedTransfer()
+        ctx.skip_processing(n * page)
+        req.committed = k + n
+        ctx.cached_prefix_length = (k + n) * page
+        ctx.cached_prefix_external_length = n * page
+        self._metrics.cache_tokens += n * page
+        self._metrics.external_blocks_served += n
+        load = _Load(r, ctx.request_id, k, list(pages), list(hashes), toks, handle)
+        if done:
+            load.state = "landed"
+            self._publish_loaded(load)
+            return CompletedTransfer()
+        pool = self._pools[r][self._conn_leaf]
+        for b in pages:
+            pool.touch(b)
+            self._pins[r][b] += 1
+        req.load = load
+        req.stepped_during_load = False
+        self._loads.append(load)
+        return handle
+
+    def _lookup(self, req: _Request, ctx: TextContext, k: int) -> int:
+        toks = np.array(ctx.tokens[k * self._page : len(req.hashes) * self._page], dtype=np.int32)
+        n = self._connector.lookup(req.hashes[k:], toks.reshape(-1, self._page), req.replica)
+        if not _is_int(n) or n < 0:
+            raise TypeError(f"alloc: connector.lookup returned {n!r}, must be an int >= 0")
+        return int(n)
+
+    def _publish_loaded(self, load: _Load) -> None:
+        """Publish a landed load's pages; swap a live request to an existing twin."""
+        pool = self._pools[load.replica][self._conn_leaf]
+        req = self._requests.get(load.request_id) if load.request_id is not None else None
+        for j, b in enumerate(load.pages):
+            canon = pool.publish(b, load.hashes[j], load.tokens[j])
+            if canon != b and req is not None and req.rows[self._conn_leaf][load.start + j] == b:
+                pool.touch(canon)
+                req.rows[self._conn_leaf][load.start + j] = canon
+                pool.free([b])
+
+    def _unpin(self, r: int, pages: list[int]) -> None:
+        pool = self._pools[r][self._conn_leaf]
+        for b in reversed(pages):
+            self._pins[r][b] -= 1
+            if not self._pins[r][b]:
+                del self._pins[r][b]
+            pool.free([b])
+
+    def _undo_failed_load(self, req: _Request, ctx: TextContext) -> None:
+        """Spec §8.6: re-take only the device hit after a load failed post-splice."""
+        load = req.load
+        n = len(load.pages)
+        ctx.rewind_processing(n * self._page)
+        req.committed = load.start
+        ctx.cached_prefix_length = load.start * self._page
+        ctx.cached_prefix_external_length = 0
+        self._metrics.cache_tokens -= n * self._page
+        self._metrics.external_blocks_served -= n
+        req.load = None
+
+    # ================================================================== deferred lookups
+
+    def starts_lookup(self, ctx: TextContext) -> bool:
+        """Whether ``start_lookup(ctx)`` would ask the connector now.
+
+        True when the connector is in use for the request, no lookup is
+        outstanding, the request is fresh (no pages, nothing processed) or
+        awaits its lookup after ``alloc(ctx, defer_lookup=True)``, and the
+        device hit leaves hashed blocks the connector might hold.
+        """
+        req = self._req("starts_lookup", ctx)
+        return self._lookup_point(req, ctx) is not None
+
+    def _lookup_point(self, req: _Request, ctx: TextContext) -> int | None:
+        """The first block a lookup would ask for, or None."""
+        if not self._uses_connector or req.dummy or req.skip_connector or req.lookup is not None:
+            return None
+        if req.lookup_pending and self._external_stage_due(req, ctx):
+            return req.committed
+        if self._at_reuse_point(req, ctx):
+            hashes = self._hashes_for(ctx, req.hashes)
+            cap = min(len(hashes), (ctx.active_length - 1) // self._page)
+            _, reach = self._device_hit(req.replica, hashes, ctx.tokens, cap)
+            return reach if reach < cap else None
+        return None
+
+    def start_lookup(self, ctx: TextContext) -> bool:
+        """Ask the connector how many blocks after the device hit it holds.
+
+        Reserves and pins nothing; the next ``alloc`` uses the answer (and may
+        still see the load refused). Returns whether a lookup was started.
+        """
+        req = self._req("start_lookup", ctx)
+        k = self._lookup_point(req, ctx)
+        if k is None:
+            return False
+        hashes = self._hashes_for(ctx, req.hashes)
+        toks = np.array(ctx.tokens[k * self._page : len(hashes) * self._page], dtype=np.int32)
+        n = self._connector.lookup(hashes[k:], toks.reshape(-1, self._page), req.replica)
+        if not _is_int(n) or n < 0:
+            raise TypeError(f"start_lookup: connector.lookup returned {n!r}, must be an int >= 0")
+        req.hashes = hashes
+        req.lookup = (k, int(n))
+        return True
+
+    def awaits_lookup(self, ctx: TextContext) -> bool:
+        """Whether a started lookup is outstanding (not yet used by ``alloc`` or handed back)."""
+        return self._req("awaits_lookup", ctx).lookup is not None
+
+    def hand_back_lookup(self, ctx: TextContext) -> bool:
+        """Drop the request's lookup (always safe); returns whether one existed.
+
+        The request keeps the pages it holds and loads nothing externally for
+        this admission.
+        """
+        req = self._req("hand_back_lookup", ctx)
+        had = req.lookup is not None or req.lookup_pending
+        req.lookup, req.lookup_pending = None, False
+        if had:
+            req.ext_point = False
+        return had
+
+    # ================================================================== step
+
+    def step(self, ctx: TextContext) -> None:
+        """Commit what the forward wrote (call after ``ctx.update``).
+
+        Publishes row blocks ``committed .. processed_length // page_size``
+        (twin deduplication: an already published copy replaces ours), queues
+        them for offload, checkpoints recurrent leaves at exact page
+        boundaries, and slides sliding-window leaves (blocks below the window
+        freed and nulled in place).
+
+        Raises
+        ------
+        TypeError, ValueError
+            Bad or unclaimed ctx; ``processed_length`` beyond the allocated
+            rows. State is unchanged.
+        """
+        op = "step"
+        req = self._req(op, ctx)
+        if req.dummy:
+            return
+        cap = min(len(req.rows[leaf.leaf_id]) for leaf in self._paged_leaves) * self._page
+        if ctx.processed_length > cap:
+            raise ValueError(
+                f"step: processed_length={ctx.processed_length} > {cap} tokens in the allocated rows; "
+                "alloc must be called before the forward"
+            )
+        errors = self._poll_load(req.load) if req.load is not None and req.load.state == "pending" else []
+        if errors:
+            raise errors[0]
+        req.step_gen += 1
+        req.ext_point, req.lookup, req.lookup_pending = False, None, False
+        if req.load is not None:
+            if req.load.state == "failed":
+                req.ran_past = True  # Spec §8.6: the forward read pages that never landed
+                return
+            req.stepped_during_load = True  # pending: commits wait for the landing
+            return
+        self._commit(req, ctx)
+        self._checkpoint(req, ctx)
+        self._slide(req, ctx)
+
+    def _commit(self, req: _Request, ctx: TextContext) -> None:
+        if not self._caching:
+            return
+        r, tokens = req.replica, ctx.tokens
+        req.hashes = self._hashes_for(ctx, req.hashes)
+        end = min(ctx.processed_length // self._page, len(req.hashes))
+        run = []
+        for i in range(req.committed, end):
+            h, toks = req.hashes[i], self._block_tokens(tokens, i)
+            for leaf in self._paged_leaves:
+                row, pool = req.rows[leaf.leaf_id], self._pools[r][leaf.leaf_id]
+                b = row[i]
+                if b == NULL_BLOCK:
+                    continue
+                canon = pool.publish(b, h, toks)
+                if canon != b:  # Spec §5.2: twin dedup, keep the published copy
+                    pool.touch(canon)
+                    row[i] = canon
+                    pool.free([b])
+            run.append((h, np.array(toks, dtype=np.int32)))
+        req.committed = max(req.committed, end)
+        if run and self._uses_connector:
+            self._offload_queue[r].append(run)
+
+    def _checkpoint(self, req: _Request, ctx: TextContext) -> None:
+        p = ctx.processed_length
+        if not self._caching or p == 0 or p % self._page:
+            return
+        i = p // self._page - 1
+        if i >= len(req.hashes):
+            return
+        h, toks = req.hashes[i], self._block_tokens(ctx.tokens, i)
+        for leaf in self._leaves:
+            if not leaf.is_recurrent:
+                continue
+            row, pool = req.rows[leaf.leaf_id], self._pools[req.replica][leaf.leaf_id]
+            if len(row) < 2 or pool.lookup(h, toks) is not None:
+                continue
+            live, succ = row
+            buf = self._buffers[req.replica][leaf.leaf_id]
+            buf[succ] = buf[live]  # Spec §5.3: the successor carries on, the old live page is the checkpoint
+            pool.publish(live, h, toks)
+            pool.free([live])
+            req.rows[leaf.leaf_id] = [succ]
+
+    def _slide(self, req: _Request, ctx: TextContext) -> None:
+        filled = ctx.processed_length // self._page
+        for leaf in self._paged_leaves:
+            if not leaf.is_sliding:
+                continue
+            cut, lo = leaf.window_start(filled), req.nulled.get(leaf.leaf_id, 0)
+            if cut <= lo:
+                continue
+            row = req.rows[leaf.leaf_id]
+            # Spec §5.3: freed tail first, nulled in place (row index = same tokens in every leaf).
+            self._pools[req.replica][leaf.leaf_id].free(list(reversed(row[lo:cut])))
+            row[lo:cut] = [NULL_BLOCK] * (cut - lo)
+            req.nulled[leaf.leaf_id] = cut
+
+    # ================================================================== transfers
+
+    def _poll_load(self, load: _Load) -> list[BaseException]:
+        """Poll one pending load; land or fail it. Returns unexpected errors."""
+        try:
+            done = load.handle.is_complete()
+        except KVLoadFailed as e:
+            self._fail_load(load, e)
+            return []
+        except Exception as e:  # Spec §8.6: other errors propagate after unpinning
+            self._fail_load(load, e, count=False)
+            return [e]
+        if done:
+            load.state = "landed"
+            self._publish_loaded(load)
+            self._unpin(load.replica, load.pages)
+            self._loads.remove(load)
+            req = self._requests.get(load.request_id) if load.request_id else None
+            if req is not None and req.load is load:
+                req.load = None  # landed: commits resume at the next step
+        return []
+
+    def _fail_load(self, load: _Load, err: BaseException, count: bool = True) -> None:
+        load.state, load.error = "failed", err
+        self._unpin(load.replica, load.pages)
+        self._loads.remove(load)
+        if count:
+            self._metrics.connector_load_failures += 1
+        req = self._requests.get(load.request_id) if load.request_id else None
+        if req is not None and req.load is load:
+            req.skip_connector = True
+            if req.stepped_during_load:
+                req.ran_past = True
+
+    def _drain(self) -> None:
+        """Land finished loads, unpin finished offloads; never blocks."""
+        errors = []
+        for load in list(self._loads):
+            errors += self._poll_load(load)
+        for off in list(self._offloads):
+            try:
+                done = off.handle.is_complete()
+            except Exception:
+                self._metrics.connector_offload_blocks_dropped += len(off.pages)
+                done = True
+            if done:
+                self._unpin(off.replica, off.pages)
+                self._offloads.remove(off)
+        if errors:
+            raise errors[0]
+
+    def _post_offloads(self) -> None:
+        """Post queued offload runs, truncated at the first evicted hash (Spec §8.2)."""
+        for r in range(self._dp):
+            queue, self._offload_queue[r] = self._offload_queue[r], []
+            pool = self._pools[r][self._conn_leaf]
+            for run in queue:
+                pages, hashes, toks = [], [], []
+                for h, t in run:
+                    b = pool.lookup(h, t)
+                    if b is None:
+                        break
+                    pages.append(b)
+                    hashes.append(h)
+                    toks.append(t)
+                if not pages:
+                    continue
+                for b in pages:
+                    pool.touch(b)
+                    self._pins[r][b] += 1
+                try:
+                    handle = self._connector.offload(pages, hashes, np.stack(toks), r)
+                    done = handle.is_complete()
+                except Exception:
+                    self._metrics.connector_offload_blocks_dropped += len(pages)
+                    done = True
+                if done:
+                    self._unpin(r, pages)
+                else:
+                    self._offloads.append(_Offload(r, pages, handle))
+
+    def poll_transfers(self) -> None:
+        """Post queued offloads and land or retire finished transfers; never blocks.
+
+        Raises
+        ------
+        Exception
+            An unexpected error of a load handle, after its pages were
+            unpinned unpublished.
+        """
+        self._connector.poll_transfers()
+        self._post_offloads()
+        self._drain()
+
+    def pending_transfers_exist(self, replica_idx: int = 0) -> bool:
+        """Whether anything of the replica is pinned by an unfinished transfer."""
+        r = self._replica("pending_transfers_exist", replica_idx)
+        return bool(self._pins[r])
+
+    def shutdown(self) -> None:
+        """Post queued offloads, wait for every transfer, close the connector."""
+        self._post_offloads()
+        for t in list(self._loads) + list(self._offloads):
+            try:
+                t.handle.synchronize()
+            except Exception:
+                pass  # _drain sees the failure through is_complete
+        try:
+            self._drain()
+        finally:
+            self._connector.shutdown()
+
+    # ================================================================== queries
+
+    def num_req_blocks(self, ctx: TextContext) -> int:
+        """Blocks the next forward reaches, ``ceil(current_position / page_size)``
+        (the request's lookup-table width). Works on unclaimed contexts."""
+        return self._required_blocks(self._ctx("num_req_blocks", ctx))
+
+    def get_req_blocks_per_leaf(self, ctx: TextContext) -> dict[str, list[int]]:
+        """``{leaf_id: block ids}`` of a claimed request (copies; 0 = null)."""
+        req = self._req("get_req_blocks_per_leaf", ctx)
+        return {lid: list(row) for lid, row in req.rows.items()}
+
+    def get_prefix_cache_hit_counts(self, ctx: TextContext) -> list[PrefixCacheHits]:
+        """Per replica, the blocks of ``ctx``'s prompt it could serve (read-only, for routing).
+
+        ``device_blocks``: the joint device hit (peer-held blocks count when
+        cross-replica copy applies); ``external_blocks``: what the connector
+        says it holds after that. Works on unclaimed contexts.
+        """
+        self._ctx("get_prefix_cache_hit_counts", ctx)
+        if not self._caching:
+            return [PrefixCacheHits(0, 0) for _ in range(self._dp)]
+        hashes = self._hashes_for(ctx, [])
+        tokens = ctx.tokens
+        out = []
+        for r in range(self._dp):
+            _, dev = self._device_hit(r, hashes, tokens, len(hashes))
+            ext = 0
+            if self._uses_connector and dev < len(hashes):
+                toks = np.array(tokens[dev * self._page : len(hashes) * self._page], dtype=np.int32)
+                ext = min(int(self._connector.lookup(hashes[dev:], toks.reshape(-1, self._page), r)),
+                          len(hashes) - dev)
+            out.append(PrefixCacheHits(dev, ext))
+        return out
+
+    def block_count(self, replica_idx: int = 0) -> BlockCount:
+        """``BlockCount(free, total)`` of the replica: null excluded, cached-unreferenced
+        blocks count as free; with several leaves the scarcest leaf's free count."""
+        r = self._replica("block_count", replica_idx)
+        return BlockCount(min(p.num_free for p in self._pools[r].values()), self._num_blocks - 1)
+
+    def pressure_pct(self, replica_idx: int = 0) -> float:
+        """Used percentage of the fullest leaf, 0-100 (100 once a leaf cannot allocate)."""
+        r = self._replica("pressure_pct", replica_idx)
+        total = self._num_blocks - 1
+        return max(100.0 * (total - p.num_free) / total for p in self._pools[r].values())
+
+    def host_byte_count(self, replica_idx: int = 0) -> ByteCount:
+        """Host tier occupancy (``ByteCount(0, 0)`` without one); tiers are shared by replicas."""
+        self._replica("host_byte_count", replica_idx)
+        return self._connector.host_byte_count()
+
+    def disk_byte_count(self, replica_idx: int = 0) -> ByteCount:
+        """Disk tier occupancy (``ByteCount(0, 0)`` without one); tiers are shared by replicas."""
+        self._replica("disk_byte_count", replica_idx)
+        return self._connector.disk_byte_count()
+
+    def get_device_buffer(self, replica_idx: int = 0):
+        """The replica's page buffer (a live view) with one leaf; ``{leaf_id: buffer}`` otherwise."""
+        r = self._replica("get_device_buffer", replica_idx)
+        if len(self._leaves) == 1:
+            return self._buffers[r][self._leaves[0].leaf_id]
+        return dict(self._buffers[r])
+
+    def get_metrics_aggregated(self) -> KVCacheMetrics:
+        """Manager plus connector counters (a snapshot)."""
+        return self._metrics.copy() + self._connector.metrics
+
+    def take_metrics_aggregated(self) -> KVCacheMetrics:
+        """Manager plus connector counters, then zero them."""
+        out = self._metrics + self._connector.take_metrics()
+        self._metrics = KVCacheMetrics()
+        return out
+
+    def reset_prefix_cache(self) -> None:
+        """Unpublish every unreferenced page of every replica and leaf, then reset the
+        connector; pages held by live requests or pinned by transfers stay published."""
+        for pools in self._pools:
+            for pool in pools.values():
+                pool.reset_prefix_cache()
+        self._connector.reset_prefix_cache()
+
+    def _free_order(self, replica_idx: int = 0, leaf_id: str = "full") -> list[int]:
+        """The free list of one pool, front first (for differential tests)."""
+        r = self._replica("_free_order", replica_idx)
+        if leaf_id not in self._leaf:
+            raise ValueError(f"_free_order: leaf_id={leaf_id!r} not in {sorted(self._leaf)}")
+        return self._pools[r][leaf_id].free_order()
+
+    # ================================================================== runtime inputs
+
+    def runtime_inputs(self, batches: Sequence[Sequence[TextContext]], *, max_cache_length: int | None = None
+                       ) -> KVCacheInputs:
+        """The paged-attention inputs of one forward: one batch per replica.
+
+        Parameters
+        ----------
+        batches : sequence of sequence of TextContext
+            ``batches[r]``: the contexts (claimed on replica r, allocated) in row order.
+        max_cache_length : int, optional
+            CUDA-graph capture bound: the lookup table gets
+            ``ceil(max_cache_length / page_size)`` columns (rounded up to 8).
+
+        Returns
+        -------
+        KVCacheInputs
+            ``.inputs[r]``: a ``KVCacheInputsPerDevice`` with one leaf, a
+            ``{leaf_id: KVCacheInputsPerDevice}`` dict with several.
+            ``lookup_table`` uint32 [batch, cols] (null padded),
+            ``cache_lengths`` uint32 [batch] (``processed_length``).
+
+        Raises
+        ------
+        TypeError
+            ``batches`` not a sequence of sequences of TextContext; ``max_cache_length`` not an int.
+        ValueError
+            In this order: ``len(batches) != data_parallel_degree``; every
+            batch empty with a recurrent leaf; a context not claimed on its
+            replica, repeated, or short of blocks; ``max_cache_length < 1``
+            or too small for the batch; a batch over ``max_batch_size``.
+            State is unchanged.
+        """
+        per = self._inputs("runtime_inputs", [leaf.leaf_id for leaf in self._leaves], batches, max_cache_length)
+        if len(self._leaves) == 1:
+            return KVCacheInputs(tuple(p[self._leaves[0].leaf_id] for p in per))
+        return KVCacheInputs(tuple(per))
+
+    def runtime_inputs_for_leaf(self, leaf_id: str, batches: Sequence[Sequence[TextContext]], *,
+                                max_cache_length: int | None = None) -> KVCacheInputs:
+        """``runtime_inputs`` for one leaf: ``.inputs[r]`` is a ``KVCacheInputsPerDevice``.
+
+        Raises ``ValueError`` for an unknown ``leaf_id``, else as ``runtime_inputs``.
+        """
+        if leaf_id not in self._leaf:
+            raise ValueError(f"runtime_inputs_for_leaf: leaf_id={leaf_id!r} not in {sorted(self._leaf)}")
+        per = self._inputs("runtime_inputs_for_leaf", [leaf_id], batches, max_cache_length)
+        return KVCacheInputs(tuple(p[leaf_id] for p in per))
+
+    def _inputs(self, op: str, leaf_ids: list[str], batches, max_cache_length) -> list[dict]:
+        page = self._page
+        if not isinstance(batches, (list, tuple)):
+            raise TypeError(f"{op}: batches={type(batches).__name__}, must be a list of lists of TextContext")
+        for r, batch in enumerate(batches):
+            if not isinstance(batch, (list, tuple)):
+                raise TypeError(f"{op}: batches[{r}]={type(batch).__name__}, must be a list of TextContext")
+            for i, c in enumerate(batch):
+                if not isinstance(c, TextContext):
+                    raise TypeError(f"{op}: batches[{r}][{i}]={c!r}, must be a TextContext")
+        if max_cache_length is not None and not _is_int(max_cache_length):
+            raise TypeError(f"{op}: max_cache_length={max_cache_length!r}, must be an int or None")
+        # Spec §7.2 (1)
+        if len(batches) != self._dp:
+            raise ValueError(f"{op}: len(batches)={len(batches)} but data_parallel_degree={self._dp}; "
+                             "the number of batches must match the number of replicas")
+        # (2)
+        if any(self._leaf[lid].is_recurrent for lid in leaf_ids) and not any(batches):
+            raise ValueError(f"{op}: every batch is empty, but a recurrent leaf binds rows; "
+                             "runtime_inputs called with an empty batch")
+        # (3)
+        seen = set()
+        for r, batch in enumerate(batches):
+            for i, c in enumerate(batch):
+                req = self._requests.get(c.request_id)
+                if req is None:
+                    raise ValueError(f"{op}: batches[{r}][{i}] request_id={c.request_id!r} is not claimed; "
+                                     "claim and alloc must be called first")
+                if req.replica != r:
+                    raise ValueError(f"{op}: batches[{r}][{i}] request_id={c.request_id!r} is claimed on "
+                                     f"replica {req.replica}, not {r}")
+                if c.request_id in seen:
+                    raise ValueError(f"{op}: batches[{r}][{i}] request_id={c.request_id!r} appears twice")
+                seen.add(c.request_id)
+                for lid in leaf_ids:
+                    row, leaf = req.rows[lid], self._leaf[lid]
+                    if leaf.is_recurrent:
+                        if not row:
+                            raise ValueError(f"{op}: batches[{r}][{i}] request_id={c.request_id!r} holds no state "
+                                             f"page of leaf {lid!r}; alloc must be called first")
+                    elif len(row) * page < c.current_position:
+                        raise ValueError(
+                            f"{op}: batches[{r}][{i}] request_id={c.request_id!r} holds {len(row)} blocks of leaf "
+                            f"{lid!r} ({len(row) * page} tokens) < current_position={c.current_position}; "
+                            "it does not have sufficient blocks, alloc must be called first")
+        need = max((self._required_blocks(c) for b in batches for c in b), default=0)
+        # (4)
+        if max_cache_length is not None:
+            if max_cache_length < 1:
+                raise ValueError(f"{op}: max_cache_length={max_cache_length}, must be >= 1")
+            cols_from = math.ceil(max_cache_length / page)
+            if cols_from < need:
+                raise ValueError(f"{op}: max_cache_length={max_cache_length} gives {cols_from} blocks < {need} "
+                                 "the batch needs; capture max_cache_length cannot be smaller than the batch's")
+            need = cols_from
+        # (5)
+        for r, batch in enumerate(batches):
+            if len(batch) > self._max_batch_size:
+                raise ValueError(f"{op}: len(batches[{r}])={len(batch)} > max_batch_size={self._max_batch_size}")
+
+        self._post_offloads()  # Spec §8.2: queued offloads are posted before the forward
+        cols = LUT_ALIGN * max(1, math.ceil(need / LUT_ALIGN))
+        out = []
+        for r, batch in enumerate(batches):
+            per = {}
+            for lid in leaf_ids:
+                leaf = self._leaf[lid]
+                width = LUT_ALIGN if leaf.is_recurrent else cols
+                lut = np.zeros((len(batch), width), dtype=np.uint32)
+                for i, c in enumerate(batch):
+                    row = self._requests[c.request_id].rows[lid]
+                    n = 1 if leaf.is_recurrent else self._required_blocks(c)
+                    lut[i, :n] = row[:n]
+                per[lid] = KVCacheInputsPerDevice(
+                    kv_blocks=self._buffers[r][lid],
+                    lookup_table=lut,
+                    cache_lengths=np.array([c.processed_length for c in batch], dtype=np.uint32),
+                    max_prompt_length=max((c.active_length for c in batch), default=0),
+                    max_cache_length=(int(max_cache_length) if max_cache_length is not None
+                                      else max((c.current_position for c in batch), default=0)),
+                )
+            out.append(per)
+        return out
+
+    # ================================================================== atomicity
+
+    def _snapshot(self, req: _Request):
+        r, ctx = req.replica, req.ctx
+        return (
+            req, req.clone(),
+            r, {lid: p.snapshot() for lid, p in self._pools[r].items()},
+            self._metrics.copy(), Counter(self._pins[r]),
+            ctx, ctx.processed_length, ctx.cached_prefix_length, ctx.cached_prefix_external_length,
+            list(self._loads),
+        )
+
+    def _restore(self, snap) -> None:
+        req, saved, r, pools, metrics, pins, ctx, processed, cpl, cpel, loads = snap
+        for k in saved.__dataclass_fields__:
+            setattr(req, k, getattr(saved, k))
+        for lid, s in pools.items():
+            self._pools[r][lid].restore(s)
+        self._metrics = metrics
+        self._pins[r] = pins
+        delta = ctx.processed_length - processed
+        if delta > 0:
+            ctx.rewind_processing(delta)
+        elif delta < 0:
+            ctx.skip_processing(-delta)
+        ctx.cached_prefix_length, ctx.cached_prefix_external_length = cpl, cpel
+        self._loads = loads
+
+    # ================================================================== invariants
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` naming the first broken invariant.
+
+        Per replica and leaf: the pool's own invariants with ref counts equal
+        to row entries plus transfer pins; live rows hold no null page except
+        sliding slots below the window; full/sliding rows of a request have
+        equal length and cover ``processed_length``; committed pages are
+        published under the request's hash of their tokens.
+        """
+        p = "check_invariants"
+        for r in range(self._dp):
+            reqs = [q for q in self._requests.values() if q.replica == r and not q.dummy]
+            loading = {b for ld in self._loads if ld.replica == r for b in ld.pages}
+            for leaf in self._leaves:
+                lid = leaf.leaf_id
+                refs: Counter = Counter()
+                for q in reqs:
+                    for b in q.rows[lid]:
+                        if b != NULL_BLOCK:
+                            refs[b] += 1
+                if lid == self._conn_leaf:
+                    refs.update(self._pins[r])
+                self._pools[r][lid].check_invariants(dict(refs))
+            for q in reqs:
+                rid, ctx = q.ctx.request_id, q.ctx
+                lens = {len(q.rows[leaf.leaf_id]) for leaf in self._paged_leaves}
+                assert len(lens) == 1, f"{p}: request {rid!r} rows of unequal length {lens}"
+                (n,) = lens
+                assert n == 0 or ctx.processed_length <= n * self._page, (
+                    f"{p}: request {rid!r} processed_length={ctx.processed_length} > {n} blocks")
+                for leaf in self._leaves:
+                    row = q.rows[leaf.leaf_id]
+                    if leaf.is_recurrent:
+                        assert len(row) <= 2 and NULL_BLOCK not in row, f"{p}: request {rid!r} state row {row}"
+                        continue
+                    lo = q.nulled.get(leaf.leaf_id, 0) if leaf.is_sliding else 0
+                    assert all(b == NULL_BLOCK for b in row[:lo]), f"{p}: request {rid!r} leaf {leaf.leaf_id!r} live page below window"
+                    assert NULL_BLOCK not in row[lo:], (
+                        f"{p}: request {rid!r} leaf {leaf.leaf_id!r} row {row} holds block 0 at or above slot {lo}")
+                    pool = self._pools[r][leaf.leaf_id]
+                    for i in range(lo, min(q.committed, n)):
+                        b = row[i]
+                        if b in loading:
+                            continue
+                        h = q.hashes[i]
+                        toks = self._block_tokens(ctx.tokens, i)
+                        if pool.block_hash[b] is None:
+                            holder = pool.hash_to_block.get(h)
+                            assert holder is not None and not np.array_equal(pool.block_tokens[holder], toks), (
+                                f"{p}: request {rid!r} committed block {i} (page {b}) is not published")
+                            continue
+                        assert pool.block_hash[b] == h, f"{p}: page {b} published under another hash than block {i}"
+                        assert np.array_equal(pool.block_tokens[b], toks), f"{p}: page {b} tokens differ from block {i}"
+            for b, c in self._pins[r].items():
+                assert c > 0, f"{p}: replica {r} pin count of block {b} is {c}"
