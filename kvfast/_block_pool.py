@@ -1,0 +1,317 @@
+"""The fast block pool: free list, reference counts and the prefix index (DESIGN §4.2).
+
+A drop-in for :class:`kvref._block_pool.BlockPool` (same methods, attributes,
+allocation order and errors) with O(1) work per block and no Python object
+per block on the list:
+
+* the free list is intrusive, two int32 arrays ``prev`` / ``next`` with
+  sentinel ids ``HEAD = num_blocks`` and ``TAIL = num_blocks + 1`` past the
+  last block; batch operations (``allocate``, ``free``) run as Numba kernels
+  (:mod:`kvfast._numba.freelist`);
+* ``ref_count`` is an int32 array;
+* the prefix index is a dict ``hash -> block``; each published block also
+  keeps its tokens as bytes so a hit is verified with one bytes compare.
+
+Allocation order (part of the spec, so block ids agree across backends):
+
+* the free list starts in ascending id order ``1 .. num_blocks-1``
+  (block 0 is the null block: never handed out, freed or published);
+* a block freed (ref count reaching 0) that holds **no** published content
+  goes to the **front** (reused first); a freed **published** block goes to
+  the **back** and stays hittable until it is popped (LRU eviction);
+* ``free`` takes blocks in the order given; callers release a sequence
+  **tail first**, so a chain's tail is evicted before its head;
+* ``allocate`` pops the front; popping a published block unpublishes it
+  (eviction) and reports its hash to the ``on_evict`` listener.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import numpy as np
+
+from kvspec.errors import CapacityError
+
+from ._numba import freelist as _fl
+
+__all__ = ["BlockPool", "NULL_BLOCK"]
+
+#: The null block: padding target of every table, never allocated.
+NULL_BLOCK = 0
+
+
+class BlockPool:
+    """Ids ``0 .. num_blocks-1`` with ref counts, an intrusive free list and a prefix index.
+
+    Parameters
+    ----------
+    num_blocks : int
+        Pool size including the null block (>= 2).
+    on_evict : callable(bytes) -> None, optional
+        Called with a published block's hash when the block is evicted
+        (popped from the free list) or unpublished by ``reset_prefix_cache``.
+
+    Attributes
+    ----------
+    ref_count : int32 [num_blocks]
+        References per block (0 = on the free list, except block 0).
+    block_hash : list of bytes or None
+        Hash of each published block.
+    block_tokens : list of int32 [block_size] or None
+        Token ids of each published block.
+    hash_to_block : dict of bytes to int
+        The prefix index.
+    """
+
+    def __init__(self, num_blocks: int, on_evict: Callable[[bytes], None] | None = None):
+        if num_blocks < 2:
+            raise ValueError(f"BlockPool: num_blocks={num_blocks}, must be >= 2 (block 0 is the null block)")
+        self.num_blocks = num_blocks
+        self.on_evict = on_evict
+        self._head = num_blocks
+        self._tail = num_blocks + 1
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+
+    def reset(self) -> None:
+        """Every block free in ascending order, nothing published."""
+        n = self.num_blocks
+        self.ref_count = np.zeros(n, np.int32)
+        self.block_hash: list[bytes | None] = [None] * n
+        self.block_tokens: list[np.ndarray | None] = [None] * n
+        self.hash_to_block: dict[bytes, int] = {}
+        #: tokens of each published block as int32 bytes (one compare per hit)
+        self._tok_bytes: list[bytes | None] = [None] * n
+        self._published = np.zeros(n, np.bool_)
+        self._prev = np.empty(n + 2, np.int32)
+        self._next = np.empty(n + 2, np.int32)
+        _fl.init_list(self._prev, self._next, n)
+        self._num_free = n - 1
+
+    def snapshot(self):
+        """An opaque copy of the whole state (for atomic rollback and tests)."""
+        return (
+            self.ref_count.copy(), list(self.block_hash), list(self.block_tokens), dict(self.hash_to_block),
+            list(self._tok_bytes), self._published.copy(), self._prev.copy(), self._next.copy(), self._num_free,
+        )
+
+    def restore(self, snap) -> None:
+        """Return to a state taken with ``snapshot``."""
+        rc, bh, bt, idx, tb, pub, prev, nxt, nfree = snap
+        self.ref_count = rc.copy()
+        self.block_hash, self.block_tokens, self._tok_bytes = list(bh), list(bt), list(tb)
+        self.hash_to_block = dict(idx)
+        self._published, self._prev, self._next = pub.copy(), prev.copy(), nxt.copy()
+        self._num_free = nfree
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that ``allocate`` can hand out (free and evictable published)."""
+        return self._num_free
+
+    @property
+    def num_usable(self) -> int:
+        """Blocks excluding the null block."""
+        return self.num_blocks - 1
+
+    def free_order_array(self) -> np.ndarray:
+        """The free list front to back as int32 ``[num_free]``."""
+        out = np.empty(self._num_free, np.int32)
+        _fl.walk(self._next, self._head, self._tail, out)
+        return out
+
+    def free_order(self) -> list[int]:
+        """The free list front to back (the order ``allocate`` pops); for tests."""
+        return self.free_order_array().tolist()
+
+    def is_free(self, block: int) -> bool:
+        return block != NULL_BLOCK and 0 <= block < self.num_blocks and self.ref_count[block] == 0
+
+    def is_published(self, block: int) -> bool:
+        return self.block_hash[block] is not None
+
+    def lookup(self, block_hash: bytes, tokens) -> int | None:
+        """The published block holding ``block_hash`` **and** exactly ``tokens``, else None.
+
+        Spec §6: a hash is a key, never a proof; the stored tokens must match.
+        """
+        block = self.hash_to_block.get(block_hash)
+        if block is None:
+            return None
+        toks = np.asarray(tokens, dtype=np.int32)
+        if toks.ndim != 1 or self._tok_bytes[block] != toks.tobytes():
+            return None
+        return block
+
+    def lookup_bytes(self, block_hash: bytes, token_bytes: bytes) -> int | None:
+        """:meth:`lookup` with the tokens already as int32 little-endian bytes."""
+        block = self.hash_to_block.get(block_hash)
+        if block is None or self._tok_bytes[block] != token_bytes:
+            return None
+        return block
+
+    def contains_hash(self, block_hash: bytes) -> bool:
+        return block_hash in self.hash_to_block
+
+    # ------------------------------------------------------------------ mutations
+
+    def allocate_array(self, n: int) -> np.ndarray:
+        """:meth:`allocate` returning int32 ``[n]``."""
+        if n > self._num_free:
+            raise CapacityError(f"BlockPool.allocate: needs {n} blocks, {self._num_free} free or evictable")
+        out = np.empty(n, np.int32)
+        if n == 0:
+            return out
+        _fl.pop_front_n(self._prev, self._next, self.ref_count, self._head, n, out)
+        self._num_free -= n
+        pub = self._published[out]
+        if pub.any():
+            for b in out[pub].tolist():
+                self._unpublish(b)
+        return out
+
+    def allocate(self, n: int) -> list[int]:
+        """Pop ``n`` blocks from the front of the free list, each with ref count 1.
+
+        A popped published block is evicted: unpublished and reported to
+        ``on_evict``. Raises ``CapacityError`` (state unchanged) when fewer
+        than ``n`` blocks are free.
+        """
+        return self.allocate_array(n).tolist()
+
+    def touch(self, block: int) -> None:
+        """Take one more reference; a free (published) block leaves the free list."""
+        if block == NULL_BLOCK:
+            raise ValueError("BlockPool.touch: block 0 is the null block")
+        if self.ref_count[block] == 0:
+            _fl.unlink(self._prev, self._next, block)
+            self._num_free -= 1
+        self.ref_count[block] += 1
+
+    def free(self, blocks: Iterable[int]) -> None:
+        """Drop one reference from each block, in the order given.
+
+        A block reaching 0 goes to the front of the free list if unpublished,
+        to the back if published. The null block is skipped.
+        """
+        arr = np.asarray(blocks if isinstance(blocks, np.ndarray) else list(blocks), dtype=np.int64)
+        if arr.size == 0:
+            return
+        bad, freed = _fl.free_many(self._prev, self._next, self.ref_count, self._published, self._head,
+                                   self._tail, arr)
+        self._num_free += freed
+        if bad >= 0:
+            b = int(arr[bad])
+            raise AssertionError(f"BlockPool.free: block {b} ref_count={int(self.ref_count[b])}")
+
+    def publish(self, block: int, block_hash: bytes, tokens) -> int:
+        """Enter ``block`` into the prefix index under ``block_hash``.
+
+        Returns the canonical block for that content: ``block`` itself if it
+        was published now or already, or the existing **twin** that holds the
+        same hash and tokens (then ``block`` stays private; the caller decides
+        whether to swap). If the hash is held by a block with *different*
+        tokens (a collision), nothing is published and ``block`` is returned.
+        """
+        if block == NULL_BLOCK:
+            raise ValueError("BlockPool.publish: block 0 is the null block")
+        if self.block_hash[block] is not None:
+            return block
+        toks = np.array(tokens, dtype=np.int32)
+        return self._publish(block, bytes(block_hash), toks, toks.tobytes())
+
+    def publish_bytes(self, block: int, block_hash: bytes, token_bytes: bytes) -> int:
+        """:meth:`publish` with the tokens as int32 little-endian bytes."""
+        if self.block_hash[block] is not None:
+            return block
+        return self._publish(block, block_hash, None, token_bytes)
+
+    def _publish(self, block: int, h: bytes, toks, tb: bytes) -> int:
+        twin = self.hash_to_block.get(h)
+        if twin is not None:
+            return twin if self._tok_bytes[twin] == tb else block
+        self.block_hash[block] = h
+        self.block_tokens[block] = toks if toks is not None else np.frombuffer(tb, np.int32).copy()
+        self._tok_bytes[block] = tb
+        self._published[block] = True
+        self.hash_to_block[h] = block
+        return block
+
+    def reset_prefix_cache(self) -> list[int]:
+        """Unpublish every published block with ref count 0; returns them.
+
+        Referenced (live or pinned) blocks stay published. The free order is
+        unchanged.
+        """
+        order = self.free_order_array()
+        dropped = order[self._published[order]].tolist()
+        for b in dropped:
+            self._unpublish(b)
+        return dropped
+
+    def _unpublish(self, block: int) -> None:
+        h = self.block_hash[block]
+        if h is None:
+            return
+        if self.hash_to_block.get(h) == block:
+            del self.hash_to_block[h]
+        self.block_hash[block] = None
+        self.block_tokens[block] = None
+        self._tok_bytes[block] = None
+        self._published[block] = False
+        if self.on_evict is not None:
+            self.on_evict(h)
+
+    # ------------------------------------------------------------------ invariants
+
+    def check_invariants(self, table_refs: dict[int, int] | None = None) -> None:
+        """Raise ``AssertionError`` if the pool is inconsistent (vectorised checks).
+
+        Parameters
+        ----------
+        table_refs : dict of block -> count, optional
+            References the owner's tables (and pins) hold; when given, every
+            ref count must equal it.
+        """
+        p = "check_invariants"
+        n = self.num_blocks
+        rc = self.ref_count
+        assert rc[NULL_BLOCK] == 0, f"{p}: null block ref_count={rc[0]}"
+        order = self.free_order_array()
+        assert order.size == self._num_free, f"{p}: free list holds {order.size} blocks, counter says {self._num_free}"
+        on_list = np.zeros(n, np.bool_)
+        on_list[order] = True
+        assert np.unique(order).size == order.size, f"{p}: a block is on the free list twice"
+        assert not on_list[NULL_BLOCK], f"{p}: null block is on the free list"
+        assert self.block_hash[NULL_BLOCK] is None, f"{p}: null block is published"
+        neg = np.flatnonzero(rc < 0)
+        assert neg.size == 0, f"{p}: block {neg[:1].tolist()} ref_count < 0"
+        bad = np.flatnonzero((rc[1:] == 0) != on_list[1:])
+        if bad.size:
+            b = int(bad[0]) + 1
+            assert False, f"{p}: block {b} ref_count={int(rc[b])} but free={bool(on_list[b])}"
+        # links agree both ways
+        links = np.concatenate(([self._head], order))
+        assert np.array_equal(self._prev[np.concatenate((order, [self._tail]))], links), f"{p}: prev links disagree with next links"
+        if table_refs is not None:
+            want = np.zeros(n, np.int64)
+            for b, c in table_refs.items():
+                assert b != NULL_BLOCK, f"{p}: a table references block 0 as live"
+                want[b] = c
+            diff = np.flatnonzero(rc[1:] != want[1:])
+            if diff.size:
+                b = int(diff[0]) + 1
+                assert False, f"{p}: block {b} ref_count={int(rc[b])} but {int(want[b])} table entries"
+        pub = np.array([h is not None for h in self.block_hash], np.bool_)
+        assert np.array_equal(pub, self._published), f"{p}: published mask disagrees with block_hash"
+        for h, b in self.hash_to_block.items():
+            assert self.block_hash[b] == h, f"{p}: index maps {h.hex()[:12]} to block {b} holding another hash"
+            assert self.block_tokens[b] is not None, f"{p}: published block {b} has no tokens"
+            assert self._tok_bytes[b] == self.block_tokens[b].tobytes(), f"{p}: block {b} token bytes disagree"
+        assert int(pub.sum()) == len(self.hash_to_block), (
+            f"{p}: {int(pub.sum())} blocks carry a hash but the index holds {len(self.hash_to_block)}"
+        )

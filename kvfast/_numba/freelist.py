@@ -1,0 +1,127 @@
+"""The intrusive free list of :class:`kvfast._block_pool.BlockPool` as Numba kernels.
+
+The list lives in two int32 arrays, ``prev`` and ``next``, of length
+``num_blocks + 2``: ids ``0 .. num_blocks-1`` are blocks, ``HEAD =
+num_blocks`` and ``TAIL = num_blocks + 1`` are sentinels, so no operation
+has an edge case. A block is on the list iff its ref count is 0 (block 0,
+the null block, never is). Every operation is O(1) per block.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+__all__ = ["init_list", "pop_front_n", "free_many", "walk", "unlink", "push_front", "push_back"]
+
+
+@njit(nogil=True, cache=True)
+def init_list(prev, next_, num_blocks):
+    """Blocks ``1 .. num_blocks-1`` in ascending order; block 0 off the list."""
+    head = num_blocks
+    tail = num_blocks + 1
+    last = head
+    for b in range(1, num_blocks):
+        next_[last] = b
+        prev[b] = last
+        last = b
+    next_[last] = tail
+    prev[tail] = last
+    prev[head] = -1
+    next_[tail] = -1
+    prev[0] = -1
+    next_[0] = -1
+
+
+@njit(nogil=True, cache=True)
+def unlink(prev, next_, b):
+    """Take block ``b`` out of the list (a prefix hit revives a free block)."""
+    p = prev[b]
+    n = next_[b]
+    next_[p] = n
+    prev[n] = p
+    prev[b] = -1
+    next_[b] = -1
+
+
+@njit(nogil=True, cache=True)
+def push_front(prev, next_, head, b):
+    """Insert ``b`` right after the head sentinel (reused first)."""
+    n = next_[head]
+    next_[head] = b
+    prev[b] = head
+    next_[b] = n
+    prev[n] = b
+
+
+@njit(nogil=True, cache=True)
+def push_back(prev, next_, tail, b):
+    """Insert ``b`` right before the tail sentinel (evicted last)."""
+    p = prev[tail]
+    next_[p] = b
+    prev[b] = p
+    next_[b] = tail
+    prev[tail] = b
+
+
+@njit(nogil=True, cache=True)
+def pop_front_n(prev, next_, ref_count, head, n, out):
+    """Pop ``n`` blocks from the front into ``out[:n]``, each with ref count 1.
+
+    The caller checked that ``n`` blocks are free.
+    """
+    for i in range(n):
+        b = next_[head]
+        nn = next_[b]
+        next_[head] = nn
+        prev[nn] = head
+        prev[b] = -1
+        next_[b] = -1
+        ref_count[b] = 1
+        out[i] = b
+
+
+@njit(nogil=True, cache=True)
+def free_many(prev, next_, ref_count, published, head, tail, blocks):
+    """Drop one reference from each of ``blocks`` in order (block 0 skipped).
+
+    A block reaching 0 goes to the front when unpublished, to the back when
+    published. Returns ``(bad, freed)``: ``bad`` is -1, or the index of the
+    first block whose ref count was already <= 0 (blocks before it were
+    freed, like the reference); ``freed`` counts blocks that reached 0.
+    """
+    freed = 0
+    for i in range(blocks.shape[0]):
+        b = blocks[i]
+        if b == 0:
+            continue
+        if ref_count[b] <= 0:
+            return i, freed
+        ref_count[b] -= 1
+        if ref_count[b] == 0:
+            freed += 1
+            if published[b]:
+                p = prev[tail]
+                next_[p] = b
+                prev[b] = p
+                next_[b] = tail
+                prev[tail] = b
+            else:
+                nn = next_[head]
+                next_[head] = b
+                prev[b] = head
+                next_[b] = nn
+                prev[nn] = b
+    return -1, freed
+
+
+@njit(nogil=True, cache=True)
+def walk(next_, head, tail, out):
+    """Write the list front to back into ``out``; returns its length."""
+    k = 0
+    b = next_[head]
+    while b != tail:
+        out[k] = b
+        k += 1
+        b = next_[b]
+    return k
