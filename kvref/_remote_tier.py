@@ -1,0 +1,855 @@
+"""A shared prefix-cache tier on Redis, single node or Redis Cluster (spec/remote-tier.md).
+
+``RemoteTier`` stores published blocks under content keys so that every
+serving process bound to the same model geometry and hash algorithm can hit
+blocks another process computed. It sits under the host and disk tiers of a
+``TieredConnector``; on its own it is a small synchronous client:
+
+* ``lookup(hashes)``: pipelined ``EXISTS``, the leading run of present blocks;
+* ``get_many(hashes, tokens)``: pipelined ``GET``, every value verified;
+* ``put_many(hashes, tokens, payloads)``: pipelined ``SET NX`` (optional TTL);
+* ``touch(hashes)``: pipelined ``PEXPIRE`` when a TTL is set.
+
+A slow or dead store is never an exception into the caller and never a wait
+beyond ``timeout_s`` per socket operation: a lookup misses, a load is refused
+(``KVLoadRefused``), an offload is dropped, each counted in ``metrics``. After
+a transport error the tier makes no further attempt for
+``reconnect_interval_s`` seconds (a dead server costs nothing per call) and
+then reconnects by itself.
+
+Key per block::
+
+    {namespace}:{hash_algo}:{geometry_digest_hex16}:{block_hash_hex}
+
+Value: a header (``VALUE_HEADER`` table in the spec) then the block's K/V bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import re
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+from urllib.parse import unquote, urlsplit
+
+import numpy as np
+import xxhash
+
+from kvspec._config import check_int
+from kvspec._dtypes import KV_DTYPES, dtype_name
+from kvspec._manager_types import DEFAULT_LEAF_ID, KVCacheParams, LeafKind
+from kvspec.errors import KVLoadRefused
+from kvspec.hashing import HASH_ALGOS
+
+__all__ = ["RemoteTier", "RemoteTierMetrics", "FORMAT_VERSION", "MAGIC", "geometry_digest"]
+
+#: First bytes of every stored value.
+MAGIC = b"KVRT"
+#: Version of the value layout; a reader refuses any other.
+FORMAT_VERSION = 1
+# Spec remote-tier §2: one byte per hash algorithm in the value header.
+_ALGO_IDS = {"sha256": 1, "xxh3_128": 2}
+# magic, version, algorithm id, digest size, geometry digest, tokens per block, payload length
+_FIXED = struct.Struct("<4sHBB8sIQ")
+_CHECKSUM_SIZE = 16  # xxh3_128 over the header before the checksum, then the payload
+_GEOMETRY_FIELDS = ("num_layers", "kv_heads", "head_dim", "page_size")
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-/]{1,64}$")
+_DEFAULT_PORT = 6379
+
+
+@dataclass(slots=True)
+class RemoteTierMetrics:
+    """Counters of a ``RemoteTier`` (a snapshot; ``+`` sums two).
+
+    Blocks and bytes count what crossed the network; ``time_s`` is wall time
+    spent in the store's client (connects included).
+    """
+
+    #: ``lookup`` calls with at least one hash.
+    lookups: int = 0
+    #: Blocks asked for by those lookups.
+    lookup_blocks: int = 0
+    #: Blocks found: the sum of the leading runs returned.
+    hits: int = 0
+    #: Blocks returned by ``get_many``, and their value bytes (headers included).
+    blocks_read: int = 0
+    bytes_read: int = 0
+    #: Blocks newly stored by ``put_many``, and their value bytes (headers included).
+    blocks_written: int = 0
+    bytes_written: int = 0
+    #: Blocks ``put_many`` skipped because the key already existed (``SET NX``).
+    blocks_already_present: int = 0
+    #: ``get_many`` calls refused because a value was missing or failed verification.
+    loads_refused: int = 0
+    #: ``get_many`` calls refused because the store did not answer (down, timeout).
+    loads_failed: int = 0
+    #: Blocks ``put_many`` could not store because the store did not answer.
+    offloads_dropped: int = 0
+    #: Transport errors seen (each one starts a ``reconnect_interval_s`` pause).
+    errors: int = 0
+    #: Successful (re)connections.
+    connects: int = 0
+    #: Seconds spent talking to the store.
+    time_s: float = 0.0
+
+    def __add__(self, other: "RemoteTierMetrics") -> "RemoteTierMetrics":
+        if not isinstance(other, RemoteTierMetrics):
+            return NotImplemented
+        return RemoteTierMetrics(
+            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)}
+        )
+
+    def copy(self) -> "RemoteTierMetrics":
+        return dataclasses.replace(self)
+
+    def as_dict(self) -> dict[str, int | float]:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------- geometry
+
+
+def _geometry_fields(geometry: KVCacheParams | Mapping[str, Any], leaf_id: str) -> dict[str, Any]:
+    """The canonical geometry record that the digest covers."""
+    o = "RemoteTier.bind"
+    if isinstance(geometry, KVCacheParams):
+        leaves = geometry.leaves()
+        if leaf_id not in leaves:
+            raise ValueError(f"{o}: leaf_id={leaf_id!r} not in params.leaves() {sorted(leaves)}")
+        if leaves[leaf_id].kind is LeafKind.RECURRENT:
+            raise ValueError(f"{o}: leaf_id={leaf_id!r} is a recurrent leaf, must be full or sliding-window")
+        values = {f: getattr(geometry, f) for f in _GEOMETRY_FIELDS}
+        values["dtype"] = geometry.dtype
+    elif isinstance(geometry, Mapping):
+        missing = [f for f in (*_GEOMETRY_FIELDS, "dtype") if f not in geometry]
+        if missing:
+            raise ValueError(f"{o}: geometry missing {missing}, needs {[*_GEOMETRY_FIELDS, 'dtype']}")
+        values = {f: check_int(o, f"geometry[{f!r}]", geometry[f], low=1) for f in _GEOMETRY_FIELDS}
+        name = dtype_name(geometry["dtype"]) if not isinstance(geometry["dtype"], str) else geometry["dtype"]
+        if name not in KV_DTYPES:
+            raise ValueError(f"{o}: geometry['dtype']={geometry['dtype']!r}, must be one of {sorted(KV_DTYPES)}")
+        values["dtype"] = name
+    else:
+        raise TypeError(f"{o}: geometry={geometry!r}, must be KVCacheParams or a mapping")
+    values["leaf_id"] = leaf_id
+    return values
+
+
+def geometry_digest(geometry: KVCacheParams | Mapping[str, Any], leaf_id: str = DEFAULT_LEAF_ID) -> bytes:
+    """8-byte digest of a block geometry: layers, heads, head dim, page size, dtype, leaf.
+
+    ``sha256(b"kvcache-remote/geometry/v1" + canonical JSON)[:8]``; two models
+    or geometries never share a key prefix.
+    """
+    if not isinstance(leaf_id, str) or not leaf_id:
+        raise ValueError(f"RemoteTier.bind: leaf_id={leaf_id!r}, must be a non-empty str")
+    record = json.dumps(_geometry_fields(geometry, leaf_id), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(b"kvcache-remote/geometry/v1" + record.encode()).digest()[:8]
+
+
+# --------------------------------------------------------------------------- url
+
+
+def _parse_url(url: str) -> dict[str, Any]:
+    """``redis://[user:pw@]host[:port][/db]`` or ``redis+cluster://[user:pw@]host[:port]``."""
+    o = "RemoteTier"
+    if not isinstance(url, str):
+        raise TypeError(f"{o}: url={url!r}, must be a str")
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "redis+cluster"):
+        raise ValueError(f"{o}: url={url!r} scheme={parts.scheme!r}, must be 'redis' or 'redis+cluster'")
+    if not parts.hostname:
+        raise ValueError(f"{o}: url={url!r} has no host, must be redis://host:port/db")
+    if parts.query or parts.fragment:
+        raise ValueError(f"{o}: url={url!r} has a query or fragment, must have none")
+    try:
+        port = parts.port if parts.port is not None else _DEFAULT_PORT
+    except ValueError:
+        raise ValueError(f"{o}: url={url!r} has an invalid port, must be in [1, 65535]") from None
+    if not 1 <= port <= 65535:
+        raise ValueError(f"{o}: url={url!r} port={port}, must be in [1, 65535]")
+    path = parts.path.strip("/")
+    if path and not path.isdigit():
+        raise ValueError(f"{o}: url={url!r} db={path!r}, must be a non-negative integer")
+    db = int(path) if path else 0
+    cluster = parts.scheme == "redis+cluster"
+    if cluster and db != 0:
+        raise ValueError(f"{o}: url={url!r} db={db}, must be 0 for redis+cluster (Cluster has one database)")
+    return {
+        "cluster": cluster,
+        "host": parts.hostname,
+        "port": port,
+        "db": db,
+        "username": unquote(parts.username) if parts.username else None,
+        "password": unquote(parts.password) if parts.password else None,
+    }
+
+
+def _payload_bytes(o: str, i: int, payload) -> bytes:
+    """The bytes of one payload (C order for arrays)."""
+    if isinstance(payload, bytes):
+        return payload
+    if isinstance(payload, np.ndarray):
+        return payload.tobytes()
+    if isinstance(payload, (bytearray, memoryview)):
+        return memoryview(payload).tobytes()
+    raise TypeError(f"{o}: payloads[{i}] type={type(payload).__name__}, must be bytes, bytearray, memoryview or ndarray")
+
+
+# --------------------------------------------------------------------------- the tier
+
+
+class RemoteTier:
+    """Blocks of K/V shared between processes through Redis or Redis Cluster.
+
+    Parameters
+    ----------
+    url : str
+        ``redis://host:port/db`` (redis-py ``Redis``) or
+        ``redis+cluster://host:port`` (redis-py ``RedisCluster``, any node as
+        the entry point). A password may be given as ``redis://:pw@host``.
+    namespace : str
+        First key component; 1-64 characters of ``[A-Za-z0-9_.-/]`` (no
+        ``{``/``}``, so keys spread over every cluster slot).
+    ttl_s : float, optional
+        Expiry of each stored block in seconds (> 0), refreshed by ``touch``;
+        ``None`` keeps blocks until Redis evicts them (``maxmemory-policy
+        allkeys-lru``).
+    timeout_s : float
+        Bound of every socket operation (connect, send, receive), > 0.
+    reconnect_interval_s : float
+        After a transport error, no call talks to the store for this long
+        (>= 0); the next call after it reconnects.
+
+    Notes
+    -----
+    Construction does no I/O: an unreachable store at start is a miss, not an
+    error. ``bind`` must be called before the block methods. The tier is
+    safe to use from several threads.
+
+    Examples
+    --------
+    >>> from kvref._remote_tier import RemoteTier
+    >>> tier = RemoteTier("redis://127.0.0.1:1/0", timeout_s=0.05)
+    >>> tier.bind({"num_layers": 1, "kv_heads": 1, "head_dim": 4, "page_size": 2,
+    ...            "dtype": "float16"}, "sha256")
+    >>> tier.lookup([bytes(32)])   # nothing listens on port 1: a miss
+    0
+    >>> tier.metrics.errors
+    1
+    >>> tier.close()
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        namespace: str = "kvcache",
+        ttl_s: float | None = None,
+        timeout_s: float = 0.05,
+        reconnect_interval_s: float = 1.0,
+    ):
+        o = "RemoteTier"
+        target = _parse_url(url)
+        if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
+            raise ValueError(f"{o}: namespace={namespace!r}, must be 1-64 characters of [A-Za-z0-9_.-/]")
+        if ttl_s is not None:
+            ttl_s = self._check_seconds(o, "ttl_s", ttl_s, allow_zero=False)
+            if ttl_s < 0.001:
+                raise ValueError(f"{o}: ttl_s={ttl_s}, must be >= 0.001 (Redis expires in milliseconds)")
+        timeout_s = self._check_seconds(o, "timeout_s", timeout_s, allow_zero=False)
+        reconnect_interval_s = self._check_seconds(o, "reconnect_interval_s", reconnect_interval_s, allow_zero=True)
+        import redis  # noqa: F401  (fail at construction, not at the first call, when the extra is missing)
+
+        self._url = url
+        self._target = target
+        self._namespace = namespace
+        self._ttl_ms = None if ttl_s is None else max(1, math.ceil(ttl_s * 1000))
+        self._ttl_s = ttl_s
+        self._timeout_s = timeout_s
+        self._reconnect_interval_s = reconnect_interval_s
+        self._lock = threading.Lock()
+        self._client = None
+        self._next_attempt = 0.0
+        self._closed = False
+        self._metrics = RemoteTierMetrics()
+        self._last_error: str | None = None
+        # Set by bind().
+        self._hash_algo: str | None = None
+        self._digest_size = 0
+        self._geometry: dict[str, Any] | None = None
+        self._geometry_digest = b""
+        self._key_prefix = ""
+        self._page_size = 0
+        self._page_bytes = 0
+
+    @staticmethod
+    def _check_seconds(o: str, name: str, value, *, allow_zero: bool) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise TypeError(f"{o}: {name}={value!r}, must be a number of seconds")
+        value = float(value)
+        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+            raise ValueError(f"{o}: {name}={value}, must be {'>= 0' if allow_zero else '> 0'} and finite")
+        return value
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    @property
+    def is_cluster(self) -> bool:
+        """True for ``redis+cluster://`` URLs."""
+        return self._target["cluster"]
+
+    @property
+    def namespace(self) -> str:
+        return self._namespace
+
+    @property
+    def ttl_s(self) -> float | None:
+        return self._ttl_s
+
+    @property
+    def timeout_s(self) -> float:
+        return self._timeout_s
+
+    @property
+    def reconnect_interval_s(self) -> float:
+        return self._reconnect_interval_s
+
+    @property
+    def hash_algo(self) -> str | None:
+        """The bound hash algorithm (None before ``bind``)."""
+        return self._hash_algo
+
+    @property
+    def geometry_digest(self) -> bytes:
+        """The bound 8-byte geometry digest (empty before ``bind``)."""
+        return self._geometry_digest
+
+    @property
+    def page_bytes(self) -> int:
+        """K/V bytes of one block: ``2 * num_layers * page_size * kv_heads * head_dim * itemsize``."""
+        return self._page_bytes
+
+    @property
+    def connected(self) -> bool:
+        """True while the tier holds a client that has not failed since it connected."""
+        return self._client is not None
+
+    @property
+    def last_error(self) -> str | None:
+        """The last transport error, as text (for logs); None if there was none."""
+        return self._last_error
+
+    @property
+    def metrics(self) -> RemoteTierMetrics:
+        """A snapshot of the counters."""
+        with self._lock:
+            return self._metrics.copy()
+
+    def take_metrics(self) -> RemoteTierMetrics:
+        """The counters, then zero them."""
+        with self._lock:
+            out, self._metrics = self._metrics, RemoteTierMetrics()
+            return out
+
+    # ------------------------------------------------------------------ binding
+
+    def bind(
+        self,
+        geometry: KVCacheParams | Mapping[str, Any],
+        hash_algo: str | None = None,
+        *,
+        leaf_id: str = DEFAULT_LEAF_ID,
+    ) -> None:
+        """Fix the block geometry and hash algorithm of every key and value.
+
+        Parameters
+        ----------
+        geometry : KVCacheParams or mapping
+            ``KVCacheParams``, or a mapping with ``num_layers``, ``kv_heads``,
+            ``head_dim``, ``page_size`` (ints > 0) and ``dtype`` (one of
+            ``float16``, ``bfloat16``, ``float32``).
+        hash_algo : {"sha256", "xxh3_128"}, optional
+            Default: ``geometry.hash_algo`` for ``KVCacheParams``; required
+            for a mapping.
+        leaf_id : str
+            The leaf whose pages are stored (enters the digest).
+
+        Raises
+        ------
+        TypeError, ValueError
+            A malformed geometry or algorithm; state is unchanged.
+        RuntimeError
+            Already bound to another geometry or algorithm, or closed; state is unchanged.
+        """
+        o = "RemoteTier.bind"
+        if hash_algo is None:
+            if not isinstance(geometry, KVCacheParams):
+                raise ValueError(f"{o}: hash_algo=None, must be given with a geometry mapping")
+            hash_algo = geometry.hash_algo
+        if hash_algo not in HASH_ALGOS:
+            raise ValueError(f"{o}: hash_algo={hash_algo!r}, must be one of {sorted(HASH_ALGOS)}")
+        digest = geometry_digest(geometry, leaf_id)
+        fields = _geometry_fields(geometry, leaf_id)
+        self._check_open(o)
+        if self._hash_algo is not None:
+            if (hash_algo, digest) != (self._hash_algo, self._geometry_digest):
+                raise RuntimeError(
+                    f"{o}: already bound to hash_algo={self._hash_algo!r} geometry={self._geometry}, "
+                    f"got hash_algo={hash_algo!r} geometry={fields}"
+                )
+            return
+        page_bytes = 2 * math.prod(fields[f] for f in _GEOMETRY_FIELDS) * KV_DTYPES[fields["dtype"]].itemsize
+        # Spec remote-tier §1: the key carries namespace, algorithm and geometry,
+        # so two models or geometries never collide.
+        self._key_prefix = f"{self._namespace}:{hash_algo}:{digest.hex()}:"
+        self._geometry = fields
+        self._geometry_digest = digest
+        self._digest_size = HASH_ALGOS[hash_algo]
+        self._page_size = fields["page_size"]
+        self._page_bytes = page_bytes
+        self._hash_algo = hash_algo
+
+    def key_for(self, block_hash: bytes) -> str:
+        """The Redis key of ``block_hash``: ``{namespace}:{algo}:{geometry16}:{hash_hex}``."""
+        self._check_bound("RemoteTier.key_for")
+        return self._key_prefix + self._check_hashes("RemoteTier.key_for", [block_hash])[0].hex()
+
+    # ------------------------------------------------------------------ block methods
+
+    def lookup(self, hashes: Sequence[bytes]) -> int:
+        """Number of leading blocks of ``hashes`` the store holds.
+
+        One pipelined round trip of ``EXISTS``; the count stops at the first
+        miss. Advisory: a later ``get_many`` may still be refused (eviction,
+        expiry, a value that fails verification).
+
+        Parameters
+        ----------
+        hashes : sequence of bytes [n]
+            Chained block hashes of the bound algorithm, in chain order.
+
+        Returns
+        -------
+        int
+            In ``[0, n]``; 0 when the store is down or slow.
+
+        Raises
+        ------
+        TypeError, ValueError
+            A hash of the wrong type or length; state is unchanged.
+        RuntimeError
+            Not bound, or closed; state is unchanged.
+        """
+        o = "RemoteTier.lookup"
+        self._check_bound(o)
+        hashes = self._check_hashes(o, hashes)
+        if not hashes:
+            return 0
+        keys = [self._key_prefix + h.hex() for h in hashes]
+
+        def run(client):
+            pipe = client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(k)
+            return pipe.execute()
+
+        found = self._io(run)
+        hit = 0
+        if found is not _DOWN:
+            # Spec remote-tier §3: leading run only, a gap ends the hit.
+            for present in found:
+                if not present:
+                    break
+                hit += 1
+        with self._lock:
+            self._metrics.lookups += 1
+            self._metrics.lookup_blocks += len(keys)
+            self._metrics.hits += hit
+        return hit
+
+    def get_many(self, hashes: Sequence[bytes], tokens: np.ndarray) -> list[bytes]:
+        """The K/V bytes of every block, each value verified.
+
+        Parameters
+        ----------
+        hashes : sequence of bytes [n]
+            Block hashes of the bound algorithm.
+        tokens : int [n, page_size]
+            Token ids of each block, compared with the stored ones.
+
+        Returns
+        -------
+        list of bytes [n]
+            ``page_bytes`` each, in the layout the writer gave
+            (``[2, num_layers, page_size, kv_heads, head_dim]`` for a manager's block).
+
+        Raises
+        ------
+        KVLoadRefused
+            A value is missing (evicted, expired), fails verification (magic,
+            version, algorithm, geometry, block hash, tokens, length,
+            checksum), or the store did not answer in time. Nothing is
+            returned; the refusal is counted (``loads_refused`` or
+            ``loads_failed``) and nothing else changes.
+        TypeError, ValueError
+            Malformed arguments; state is unchanged.
+        RuntimeError
+            Not bound, or closed; state is unchanged.
+        """
+        o = "RemoteTier.get_many"
+        self._check_bound(o)
+        hashes = self._check_hashes(o, hashes)
+        rows = self._check_tokens(o, tokens, len(hashes))
+        if not hashes:
+            return []
+        keys = [self._key_prefix + h.hex() for h in hashes]
+
+        def run(client):
+            pipe = client.pipeline(transaction=False)
+            for k in keys:
+                pipe.get(k)
+            return pipe.execute()
+
+        values = self._io(run)
+        if values is _DOWN:
+            with self._lock:
+                self._metrics.loads_failed += 1
+            raise KVLoadRefused(
+                f"{o}: store {self._redacted_url()} unreachable or slower than timeout_s={self._timeout_s}"
+                f" ({self._last_error})",
+                block_hash=hashes[0],
+            )
+        payloads = []
+        for i, (h, value) in enumerate(zip(hashes, values)):
+            problem = self._verify(h, rows[i], value)
+            if problem is not None:
+                with self._lock:
+                    self._metrics.loads_refused += 1
+                raise KVLoadRefused(f"{o}: hashes[{i}]={h.hex()[:16]}… {problem}", block_hash=h)
+            payloads.append(value[len(value) - self._page_bytes :])
+        with self._lock:
+            self._metrics.blocks_read += len(values)
+            self._metrics.bytes_read += sum(len(v) for v in values)
+        return payloads
+
+    def put_many(self, hashes: Sequence[bytes], tokens: np.ndarray, payloads: Sequence) -> int:
+        """Store blocks that the store does not hold yet (``SET NX``, with the TTL if set).
+
+        Parameters
+        ----------
+        hashes : sequence of bytes [n]
+            Block hashes of the bound algorithm.
+        tokens : int [n, page_size]
+            Token ids of each block (stored in the header, checked on load).
+        payloads : sequence [n] of bytes-like or ndarray
+            ``page_bytes`` bytes each (arrays are taken in C order).
+
+        Returns
+        -------
+        int
+            Blocks newly stored. Blocks already present are skipped (counted
+            in ``blocks_already_present``); when the store does not answer
+            the blocks are dropped (``offloads_dropped``) and 0 is returned —
+            never an exception.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Malformed arguments (a payload of the wrong size included); state is unchanged.
+        RuntimeError
+            Not bound, or closed; state is unchanged.
+        """
+        o = "RemoteTier.put_many"
+        self._check_bound(o)
+        hashes = self._check_hashes(o, hashes)
+        rows = self._check_tokens(o, tokens, len(hashes))
+        if not isinstance(payloads, Sequence) and not isinstance(payloads, np.ndarray):
+            raise TypeError(f"{o}: payloads type={type(payloads).__name__}, must be a sequence")
+        if len(payloads) != len(hashes):
+            raise ValueError(f"{o}: len(payloads)={len(payloads)} but len(hashes)={len(hashes)}")
+        data = []
+        for i, p in enumerate(payloads):
+            b = _payload_bytes(o, i, p)
+            if len(b) != self._page_bytes:
+                raise ValueError(f"{o}: payloads[{i}] has {len(b)} bytes, must be page_bytes={self._page_bytes}")
+            data.append(b)
+        if not hashes:
+            return 0
+        values = [self._encode(h, rows[i], data[i]) for i, h in enumerate(hashes)]
+        keys = [self._key_prefix + h.hex() for h in hashes]
+        ttl_ms = self._ttl_ms
+
+        def run(client):
+            pipe = client.pipeline(transaction=False)
+            for k, v in zip(keys, values):
+                # Spec remote-tier §3: SET NX — the first writer wins, a value is never overwritten.
+                pipe.set(k, v, nx=True, px=ttl_ms)
+            return pipe.execute()
+
+        stored = self._io(run)
+        with self._lock:
+            if stored is _DOWN:
+                # Spec remote-tier §4: a failing store drops offloads, counted, never raised.
+                self._metrics.offloads_dropped += len(keys)
+                return 0
+            written = [bool(s) for s in stored]
+            self._metrics.blocks_written += sum(written)
+            self._metrics.bytes_written += sum(len(v) for v, w in zip(values, written) if w)
+            self._metrics.blocks_already_present += len(written) - sum(written)
+            return sum(written)
+
+    def touch(self, hashes: Sequence[bytes]) -> None:
+        """Refresh the TTL of stored blocks (``PEXPIRE``); no I/O without a TTL.
+
+        Missing blocks are ignored; a failing store is ignored (counted in ``errors``).
+
+        Raises
+        ------
+        TypeError, ValueError
+            A hash of the wrong type or length; state is unchanged.
+        RuntimeError
+            Not bound, or closed; state is unchanged.
+        """
+        o = "RemoteTier.touch"
+        self._check_bound(o)
+        hashes = self._check_hashes(o, hashes)
+        if not hashes or self._ttl_ms is None:
+            return None
+        keys = [self._key_prefix + h.hex() for h in hashes]
+        ttl_ms = self._ttl_ms
+
+        def run(client):
+            pipe = client.pipeline(transaction=False)
+            for k in keys:
+                pipe.pexpire(k, ttl_ms)
+            return pipe.execute()
+
+        self._io(run)
+        return None
+
+    def close(self) -> None:
+        """Close the connections; later calls raise ``RuntimeError``. Idempotent."""
+        with self._lock:
+            client, self._client, self._closed = self._client, None, True
+        if client is not None:
+            _close_quietly(client)
+
+    def __enter__(self) -> "RemoteTier":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("connected" if self._client is not None else "disconnected")
+        return (
+            f"RemoteTier({self._redacted_url()!r}, namespace={self._namespace!r}, ttl_s={self._ttl_s}, "
+            f"timeout_s={self._timeout_s}, hash_algo={self._hash_algo!r}, {state})"
+        )
+
+    # ------------------------------------------------------------------ values
+
+    def _encode(self, block_hash: bytes, tokens: np.ndarray, payload: bytes) -> bytes:
+        """Header (spec remote-tier §2) + payload."""
+        head = (
+            _FIXED.pack(
+                MAGIC, FORMAT_VERSION, _ALGO_IDS[self._hash_algo], self._digest_size,
+                self._geometry_digest, self._page_size, len(payload),
+            )
+            + block_hash
+            + tokens.astype("<i4", copy=False).tobytes()
+        )
+        checksum = xxhash.xxh3_128(head)
+        checksum.update(payload)
+        return head + checksum.digest() + payload
+
+    def _header_size(self) -> int:
+        return _FIXED.size + self._digest_size + 4 * self._page_size + _CHECKSUM_SIZE
+
+    def _verify(self, block_hash: bytes, tokens: np.ndarray, value) -> str | None:
+        """Why ``value`` must not be served for ``block_hash`` and ``tokens``; None if it may."""
+        if value is None:
+            return "not in the store (evicted or expired since the lookup)"
+        if not isinstance(value, bytes):
+            return f"value type={type(value).__name__}, must be bytes"
+        header = self._header_size()
+        if len(value) < _FIXED.size:
+            return f"value length={len(value)} < fixed header {_FIXED.size}"
+        magic, version, algo, dsize, geo, page_size, length = _FIXED.unpack_from(value)
+        if magic != MAGIC:
+            return f"magic={magic!r} but expected {MAGIC!r}"
+        if version != FORMAT_VERSION:
+            return f"format version={version} but expected {FORMAT_VERSION}"
+        if algo != _ALGO_IDS[self._hash_algo] or dsize != self._digest_size:
+            return f"hash algorithm id={algo} (digest {dsize} B) but expected {self._hash_algo!r}"
+        if geo != self._geometry_digest:
+            return f"geometry digest={geo.hex()} but expected {self._geometry_digest.hex()}"
+        if page_size != self._page_size:
+            return f"tokens per block={page_size} but expected {self._page_size}"
+        if length != self._page_bytes:
+            return f"payload length={length} but expected page_bytes={self._page_bytes}"
+        if len(value) != header + length:
+            return f"value length={len(value)} but header says {header + length} (truncated or padded)"
+        at = _FIXED.size
+        if value[at : at + dsize] != block_hash:
+            return f"stored block hash={value[at : at + dsize].hex()[:16]}… differs"
+        at += dsize
+        if value[at : at + 4 * page_size] != tokens.astype("<i4", copy=False).tobytes():
+            return "stored token ids differ from the requested ones"
+        at += 4 * page_size
+        checksum = xxhash.xxh3_128(value[:at])
+        checksum.update(memoryview(value)[header:])
+        if value[at : at + _CHECKSUM_SIZE] != checksum.digest():
+            return f"checksum={value[at : at + _CHECKSUM_SIZE].hex()} but computed {checksum.hexdigest()}"
+        return None
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_open(self, o: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{o}: the tier is closed")
+
+    def _check_bound(self, o: str) -> None:
+        self._check_open(o)
+        if self._hash_algo is None:
+            raise RuntimeError(f"{o}: not bound; call bind(geometry, hash_algo) first")
+
+    def _check_hashes(self, o: str, hashes) -> list[bytes]:
+        if isinstance(hashes, (bytes, bytearray, str)) or not isinstance(hashes, (Sequence, np.ndarray)):
+            raise TypeError(f"{o}: hashes type={type(hashes).__name__}, must be a sequence of bytes")
+        out = []
+        for i, h in enumerate(hashes):
+            if not isinstance(h, (bytes, bytearray)):
+                raise TypeError(f"{o}: hashes[{i}] type={type(h).__name__}, must be bytes")
+            if len(h) != self._digest_size:
+                raise ValueError(
+                    f"{o}: hashes[{i}] length={len(h)}, must be {self._digest_size} ({self._hash_algo})"
+                )
+            out.append(bytes(h))
+        return out
+
+    def _check_tokens(self, o: str, tokens, n: int) -> np.ndarray:
+        arr = np.asarray(tokens)
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"{o}: tokens dtype={arr.dtype}, must be an integer type")
+        if arr.shape != (n, self._page_size):
+            raise ValueError(f"{o}: tokens shape={arr.shape}, must be ({n}, {self._page_size})")
+        if arr.size and (arr.min() < -(2**31) or arr.max() > 2**31 - 1):
+            raise ValueError(f"{o}: tokens value out of int32 range")
+        return arr
+
+    def _redacted_url(self) -> str:
+        t = self._target
+        scheme = "redis+cluster" if t["cluster"] else "redis"
+        return f"{scheme}://{t['host']}:{t['port']}" + ("" if t["cluster"] else f"/{t['db']}")
+
+    # ------------------------------------------------------------------ transport
+
+    def _connect(self):
+        """A new client, checked with one round trip; raises on failure."""
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        t = self._target
+        # Spec remote-tier §4: no client-side retries, every socket operation bounded by timeout_s.
+        common = dict(
+            username=t["username"],
+            password=t["password"],
+            socket_timeout=self._timeout_s,
+            socket_connect_timeout=self._timeout_s,
+            retry=Retry(NoBackoff(), 0),
+        )
+        if t["cluster"]:
+            from redis.cluster import RedisCluster
+
+            # Building the cluster client reads the slot map (one round trip).
+            return RedisCluster(host=t["host"], port=t["port"], require_full_coverage=False, **common)
+        import redis
+
+        client = redis.Redis(host=t["host"], port=t["port"], db=t["db"], health_check_interval=0, **common)
+        try:
+            client.ping()
+        except BaseException:
+            _close_quietly(client)
+            raise
+        return client
+
+    def _client_or_none(self):
+        """The live client, a fresh one when the pause is over, or None (down)."""
+        with self._lock:
+            self._check_open("RemoteTier")
+            if self._client is not None:
+                return self._client
+            now = time.monotonic()
+            if now < self._next_attempt:
+                return None
+            self._next_attempt = now + self._reconnect_interval_s
+            try:
+                client = self._connect()
+            except Exception as e:  # any failure to reach the store is a miss
+                self._metrics.errors += 1
+                self._last_error = f"{type(e).__name__}: {e}"
+                return None
+            self._client = client
+            self._metrics.connects += 1
+            return client
+
+    def _io(self, run):
+        """``run(client)``, or ``_DOWN`` when the store is down, slow or failing."""
+        start = time.perf_counter()
+        try:
+            client = self._client_or_none()
+            if client is None:
+                return _DOWN
+            try:
+                return run(client)
+            except Exception as e:  # the region holds only client calls: any error is the store's
+                self._mark_down(client, e)
+                return _DOWN
+        finally:
+            elapsed = time.perf_counter() - start
+            with self._lock:
+                self._metrics.time_s += elapsed
+
+    def _mark_down(self, client, error: Exception) -> None:
+        """Drop a failed client; no call talks to the store for ``reconnect_interval_s``."""
+        with self._lock:
+            self._metrics.errors += 1
+            self._last_error = f"{type(error).__name__}: {error}"
+            if self._client is client:
+                self._client = None
+                self._next_attempt = time.monotonic() + self._reconnect_interval_s
+            else:
+                client = None
+        if client is not None:
+            _close_quietly(client)
+
+
+def _close_quietly(client) -> None:
+    try:
+        client.close()
+    except Exception:  # closing a broken connection may itself fail; nothing to recover
+        return
+
+
+class _Down:
+    """Marker: the store did not answer."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<store down>"
+
+
+_DOWN = _Down()
