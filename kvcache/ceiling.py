@@ -1,0 +1,112 @@
+"""The infinite-cache hit ceiling of a workload (what no cache can beat).
+
+Replay the requests in arrival order through an unbounded set of chained
+block hashes (``kvspec.hashing``), under the manager's own reuse rules
+(DESIGN §5):
+
+* whole pages only: a request can reuse at most ``(P - 1) // page_size``
+  pages of its ``P``-token prompt (the last prompt token is never reused, so
+  a 100 % hit is impossible);
+* a hit is the longest leading run of pages already seen;
+* a page is reusable once committed: a finished request has committed every
+  full page of its first ``P + O - 1`` tokens (prompt, then its ``O``
+  outputs; the last sampled token is never processed), and all of them join
+  the set.
+
+A real cache can only do worse: it evicts, it serves a request before the
+requests ahead of it have finished, and it counts only pages committed so
+far. With an unbounded pool and one request in flight it does exactly this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from kvspec._config import check_int
+from kvspec.hashing import block_hashes
+
+from .workload import Request
+
+__all__ = ["Ceiling", "infinite_cache_ceiling"]
+
+
+@dataclass(frozen=True, slots=True)
+class Ceiling:
+    """The infinite-cache bound of a workload.
+
+    Attributes
+    ----------
+    page_size : int
+    prompt_tokens : int
+        Sum of the prompt lengths.
+    hit_tokens : int
+        Sum of the reusable prompt tokens (``hit_pages * page_size`` per request).
+    per_request : int64 [num_requests]
+        Reusable prompt tokens of each request, in workload order.
+    """
+
+    page_size: int
+    prompt_tokens: int
+    hit_tokens: int
+    per_request: np.ndarray
+
+    @property
+    def hit_rate(self) -> float:
+        """``hit_tokens / prompt_tokens`` (0 for an empty workload)."""
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def infinite_cache_ceiling(
+    requests: Sequence[Request],
+    page_size: int,
+    *,
+    hash_algo: str = "sha256",
+    hash_seed: int = 0,
+) -> Ceiling:
+    """Prefix hits of an unbounded cache over ``requests`` in order.
+
+    Parameters
+    ----------
+    requests : sequence of Request
+        The workload, in arrival order.
+    page_size : int
+        Tokens per page, >= 1.
+    hash_algo, hash_seed
+        The chain of ``kvspec.hashing.block_hashes`` (the manager's params).
+
+    Returns
+    -------
+    Ceiling
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from kvcache.workload import Request
+    >>> p = np.arange(1, 10, dtype=np.int32)
+    >>> reqs = [Request("a", p, np.array([7], np.int32), 0.0), Request("b", p, np.array([7], np.int32), 1.0)]
+    >>> c = infinite_cache_ceiling(reqs, 4)
+    >>> c.per_request.tolist(), c.hit_rate
+    ([0, 8], 0.4444444444444444)
+    """
+    check_int("infinite_cache_ceiling", "page_size", page_size, low=1)
+    seen: set[bytes] = set()
+    per_request = np.zeros(len(requests), dtype=np.int64)
+    prompt_tokens = 0
+    for i, req in enumerate(requests):
+        p, o = req.prompt_length, req.output_length
+        prompt_tokens += p
+        # Spec §5: pages committed by the end of the request cover its first
+        # P + O - 1 tokens; the pages it may reuse cover at most P - 1.
+        committed = (p + o - 1) // page_size
+        reusable = (p - 1) // page_size
+        tokens = np.concatenate([req.prompt, req.output])
+        hashes = block_hashes(tokens, page_size, hash_algo, hash_seed=hash_seed, num_blocks=committed)
+        hit = 0
+        while hit < reusable and hashes[hit] in seen:
+            hit += 1
+        per_request[i] = hit * page_size
+        seen.update(hashes)
+    return Ceiling(page_size, prompt_tokens, int(per_request.sum()), per_request)

@@ -1,0 +1,648 @@
+"""``kvcache replay``: a continuous-batching scheduler loop over ``PagedKVCacheManager``.
+
+The loop does the manager's bookkeeping a serving engine would do, without
+running a model (no K/V bytes are computed): each scheduler step
+
+1. returns cordoned requests whose onload has landed to the running set;
+2. schedules running requests oldest first — decode (one token) or the next
+   prefill chunk — under ``max_batch_tokens`` and ``max_batch_size`` per
+   replica, calling ``alloc`` for each (a decode grows at a page crossing);
+   when ``alloc`` raises ``InsufficientBlocksError`` the youngest running
+   request of that replica is preempted (``release`` + ``ctx.reset()`` +
+   front of the queue) until it fits, the request itself last;
+3. admits waiting requests in arrival order (``claim`` + ``alloc``) while
+   ``max_inflight`` allows; the head that does not fit waits (first come,
+   first served, so a request never sees pages of a request behind it);
+   an admission whose ``alloc`` returns an incomplete transfer is cordoned;
+4. builds ``runtime_inputs`` for the batch (this posts queued offloads);
+5. "runs the forward": a non-final prefill chunk ``advance_chunk()``; every
+   other row ``update(token)`` with its next output token, then ``step``;
+   a request that has produced all its tokens is ``release``-d.
+
+The hit of a request is read at its first successful admission
+(``cached_prefix_length``, of which ``cached_prefix_external_length`` came
+from a tier); re-hits after a preemption are recomputation, not reuse, and are
+not counted. The replay is a closed loop: arrival times order the queue, and
+every request is waiting from the start (see ``docs/replay.md``).
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import math
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from kvspec import InsufficientBlocksError, KVCacheParams, KVLoadFailed, TextContext
+from kvspec._config import check_int, parse_device
+
+from .ceiling import Ceiling, infinite_cache_ceiling
+from .workload import Request
+
+__all__ = ["BACKENDS", "ReplayConfig", "ReplayError", "ReplayStats", "manager_class", "replay", "required_blocks"]
+
+#: Backends ``replay`` can drive, by package name.
+BACKENDS = ("kvfast", "kvref")
+
+
+class ReplayError(RuntimeError):
+    """The replay cannot run (a backend is missing, the pool can never fit a request)."""
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """What to replay on: pool, tiers, scheduler limits and model geometry.
+
+    Parameters
+    ----------
+    page_size : int
+        Tokens per page, >= 1.
+    num_blocks : int, optional
+        Device blocks per replica including the null block (>= 2). Default:
+        from ``device_bytes`` when given, else 2048.
+    device_bytes : int, optional
+        Device pool bytes per replica; ``num_blocks = device_bytes // page_bytes``.
+        Exclusive with ``num_blocks``.
+    host_bytes, disk_bytes : int
+        Tier sizes (0 = no tier).
+    disk_dir : str, optional
+        Disk tier directory; default a temporary directory removed at the end.
+    replicas : int
+        Data-parallel replicas, each with its own pool.
+    backend : {"auto", "kvfast", "kvref"}
+        ``auto``: ``kvfast`` when it provides ``PagedKVCacheManager``, else ``kvref``.
+    device : str
+        ``"cpu"`` or ``"cuda[:N]"``.
+    max_batch_size : int
+        Requests per replica per step (the manager's ``max_batch_size``).
+    max_batch_tokens : int
+        Tokens per step over all replicas (decode first, then prefill chunks).
+    max_inflight : int, optional
+        Requests admitted at once over all replicas; default
+        ``max_batch_size * replicas``.
+    num_layers, kv_heads, head_dim : int
+        Model geometry (sets page bytes and so tier traffic).
+    dtype : str
+        K/V dtype name.
+    """
+
+    page_size: int = 16
+    num_blocks: int | None = None
+    device_bytes: int | None = None
+    host_bytes: int = 0
+    disk_bytes: int = 0
+    disk_dir: str | None = None
+    replicas: int = 1
+    backend: str = "auto"
+    device: str = "cpu"
+    max_batch_size: int = 32
+    max_batch_tokens: int = 2048
+    max_inflight: int | None = None
+    num_layers: int = 2
+    kv_heads: int = 2
+    head_dim: int = 16
+    dtype: str = "float16"
+
+    def __post_init__(self):
+        o = "ReplayConfig"
+        check_int(o, "page_size", self.page_size, low=1)
+        if self.num_blocks is not None and self.device_bytes is not None:
+            raise ValueError(f"{o}: num_blocks={self.num_blocks} and device_bytes={self.device_bytes} are exclusive")
+        if self.num_blocks is not None:
+            check_int(o, "num_blocks", self.num_blocks, low=2)
+        if self.device_bytes is not None:
+            check_int(o, "device_bytes", self.device_bytes, low=1)
+        check_int(o, "host_bytes", self.host_bytes, low=0)
+        check_int(o, "disk_bytes", self.disk_bytes, low=0)
+        check_int(o, "replicas", self.replicas, low=1)
+        if self.backend not in ("auto",) + BACKENDS:
+            raise ValueError(f"{o}: backend={self.backend!r}, must be one of {('auto',) + BACKENDS}")
+        parse_device(o, self.device)
+        check_int(o, "max_batch_size", self.max_batch_size, low=1)
+        check_int(o, "max_batch_tokens", self.max_batch_tokens, low=1)
+        if self.max_inflight is not None:
+            check_int(o, "max_inflight", self.max_inflight, low=1)
+        check_int(o, "num_layers", self.num_layers, low=1)
+        check_int(o, "kv_heads", self.kv_heads, low=1)
+        check_int(o, "head_dim", self.head_dim, low=1)
+
+    def params(self, disk_dir: str | None = None) -> KVCacheParams:
+        """The manager's ``KVCacheParams`` (``disk_dir`` overrides ``self.disk_dir``)."""
+        return KVCacheParams(
+            page_size=self.page_size,
+            num_layers=self.num_layers,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            data_parallel_degree=self.replicas,
+            host_offload_bytes=self.host_bytes,
+            disk_offload_bytes=self.disk_bytes,
+            disk_offload_dir=(disk_dir or self.disk_dir) if self.disk_bytes else None,
+        )
+
+    def blocks_per_replica(self) -> int:
+        """Device blocks per replica, null block included."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        if self.device_bytes is not None:
+            return self.device_bytes // self.params("unused").page_bytes()
+        return 2048
+
+    def inflight_limit(self) -> int:
+        return self.max_inflight if self.max_inflight is not None else self.max_batch_size * self.replicas
+
+
+def manager_class(backend: str):
+    """``PagedKVCacheManager`` of ``backend`` (``"auto"``, ``"kvfast"`` or ``"kvref"``) and its name.
+
+    Raises
+    ------
+    ReplayError
+        The backend does not provide a manager (yet).
+    """
+    if backend == "auto":
+        try:
+            return manager_class("kvfast")
+        except ReplayError:
+            return manager_class("kvref")
+    if backend not in BACKENDS:
+        raise ReplayError(f"backend={backend!r}, must be one of {BACKENDS}")
+    try:
+        cls = getattr(importlib.import_module(backend), "PagedKVCacheManager")
+    except (ImportError, AttributeError) as e:
+        hint = "; use --backend kvref" if backend != "kvref" else ""
+        raise ReplayError(f"backend {backend!r} has no PagedKVCacheManager ({e}){hint}") from None
+    return cls, backend
+
+
+def required_blocks(requests: Sequence[Request], page_size: int) -> tuple[int, Request]:
+    """Blocks the longest request holds at its end (prompt plus output), and that request."""
+    longest = max(requests, key=lambda r: r.total_length)
+    return math.ceil(longest.total_length / page_size), longest
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass
+class ReplayStats:
+    """Everything ``kvcache replay`` reports.
+
+    Hit rates are fractions of ``prompt_tokens``; ``*_bytes`` are totals moved
+    between tiers; ``series`` holds one entry per scheduler step for each key
+    of :attr:`SERIES_KEYS`.
+    """
+
+    backend: str
+    workload: str
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+    page_size: int
+    replicas: int
+    blocks_per_replica: int
+    device_hit_tokens: int
+    external_hit_tokens: int
+    ceiling_hit_tokens: int
+    peak_blocks_used: int
+    mean_blocks_used: float
+    preemptions: int
+    load_failures: int
+    steps: int
+    h2d_bytes: int
+    d2h_bytes: int
+    disk_bytes_written: int
+    disk_bytes_read: int
+    bookkeeping_s_total: float
+    bookkeeping_us_p50: float
+    bookkeeping_us_p99: float
+    wall_s: float
+    manager_metrics: dict = field(default_factory=dict)
+    series: dict = field(default_factory=dict)
+
+    SERIES_KEYS = (
+        "step", "batch_requests", "batch_tokens", "running", "waiting", "cordoned",
+        "blocks_used", "hit_rate", "preemptions", "h2d_bytes", "d2h_bytes",
+        "disk_bytes_written", "disk_bytes_read", "bookkeeping_us",
+    )
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.device_hit_tokens + self.external_hit_tokens
+
+    def _rate(self, n: int) -> float:
+        return n / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        """Prefix hit rate, device and external tiers together."""
+        return self._rate(self.hit_tokens)
+
+    @property
+    def device_hit_rate(self) -> float:
+        return self._rate(self.device_hit_tokens)
+
+    @property
+    def external_hit_rate(self) -> float:
+        return self._rate(self.external_hit_tokens)
+
+    @property
+    def ceiling_hit_rate(self) -> float:
+        """The infinite-cache ceiling for the same workload and page size."""
+        return self._rate(self.ceiling_hit_tokens)
+
+    @property
+    def bookkeeping_us_mean(self) -> float:
+        return 1e6 * self.bookkeeping_s_total / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict:
+        """A JSON-ready dict: the figures, derived rates, metrics and the series."""
+        d = asdict(self)
+        for name in ("hit_tokens", "hit_rate", "device_hit_rate", "external_hit_rate",
+                     "ceiling_hit_rate", "bookkeeping_us_mean"):
+            d[name] = getattr(self, name)
+        return d
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+class _Live:
+    """Scheduler state of one request."""
+
+    __slots__ = ("index", "req", "ctx", "replica", "generated", "admitted_at", "hit_dev", "hit_ext",
+                 "recorded", "transfer", "failed_load")
+
+    def __init__(self, index: int, req: Request):
+        self.index = index
+        self.req = req
+        self.ctx = TextContext(req.request_id, req.prompt)
+        self.replica = -1
+        self.generated = 0
+        self.admitted_at = -1
+        self.hit_dev = 0
+        self.hit_ext = 0
+        self.recorded = False
+        self.transfer = None
+        self.failed_load = False
+
+
+class _Timed:
+    """Wraps a manager; sums the wall time spent inside its calls."""
+
+    def __init__(self, mgr):
+        self.mgr = mgr
+        self.seconds = 0.0
+
+    def __call__(self, name: str, *args):
+        t0 = time.perf_counter()
+        try:
+            return getattr(self.mgr, name)(*args)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
+def replay(
+    requests: Sequence[Request],
+    config: ReplayConfig = ReplayConfig(),
+    *,
+    workload: str = "requests",
+    progress: Callable[[int, int, int], None] | None = None,
+) -> ReplayStats:
+    """Replay ``requests`` through a ``PagedKVCacheManager`` and measure it.
+
+    Parameters
+    ----------
+    requests : sequence of Request
+        The workload in arrival order (at least one).
+    config : ReplayConfig
+    workload : str
+        A label for the report.
+    progress : callable(done, total, step), optional
+        Called after every scheduler step.
+
+    Returns
+    -------
+    ReplayStats
+
+    Raises
+    ------
+    ValueError
+        No requests, or the pool is too small for the longest request
+        (checked before anything runs).
+    ReplayError
+        The backend has no manager, or no request can ever be admitted.
+    """
+    if len(requests) == 0:
+        raise ValueError("replay: requests is empty")
+    cls, backend = manager_class(config.backend)
+    bs = config.page_size
+    nblocks = config.blocks_per_replica()
+    need, longest = required_blocks(requests, bs)
+    if need > nblocks - 1:
+        # Spec (replay): refuse up front rather than livelock on a request that can never fit.
+        raise ValueError(
+            f"replay: num_blocks={nblocks} holds {nblocks - 1} usable blocks of {bs} tokens per replica, "
+            f"but request {longest.request_id} needs {need} "
+            f"({longest.prompt_length} prompt + {longest.output_length} output tokens)"
+        )
+    ceiling = infinite_cache_ceiling(requests, bs)
+    tmp_dir = tempfile.mkdtemp(prefix="kvcache-disk-") if config.disk_bytes and not config.disk_dir else None
+    try:
+        mgr = cls(
+            config.params(tmp_dir),
+            num_blocks=nblocks,
+            max_batch_size=config.max_batch_size,
+            max_seq_len=longest.total_length,
+            device=config.device,
+        )
+        try:
+            stats = _Loop(mgr, requests, config, progress).run()
+        finally:
+            mgr.shutdown()
+        final = mgr.get_metrics_aggregated()
+    finally:
+        if tmp_dir is not None:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+    stats.update(
+        backend=backend,
+        workload=workload,
+        ceiling_hit_tokens=ceiling.hit_tokens,
+        blocks_per_replica=nblocks,
+        h2d_bytes=final.h2d_bytes_copied,
+        d2h_bytes=final.d2h_bytes_copied,
+        disk_bytes_written=final.disk_bytes_written,
+        disk_bytes_read=final.disk_bytes_read,
+        manager_metrics=final.as_dict(),
+    )
+    return ReplayStats(**stats)
+
+
+class _Loop:
+    """One run of the scheduler over one manager."""
+
+    def __init__(self, mgr, requests: Sequence[Request], config: ReplayConfig, progress):
+        self.mgr = mgr
+        self.call = _Timed(mgr)
+        self.config = config
+        self.progress = progress
+        self.requests = requests
+        self.waiting: collections.deque[_Live] = collections.deque(_Live(i, r) for i, r in enumerate(requests))
+        self.running: list[_Live] = []  # admission order, oldest first
+        self.cordoned: list[_Live] = []
+        self.done = 0
+        self.preemptions = 0
+        self.load_failures = 0
+        self.admissions = 0
+        #: request index -> (device, external) hit tokens at its first admission
+        self.hits: dict[int, tuple[int, int]] = {}
+        self.hit_tokens = 0
+        self.hit_prompt_tokens = 0
+        self.series = {k: [] for k in ReplayStats.SERIES_KEYS}
+
+    # -- the loop
+
+    def run(self) -> dict:
+        cfg = self.config
+        R = cfg.replicas
+        t_start = time.perf_counter()
+        step = 0
+        idle_waits = 0
+        while self.waiting or self.running or self.cordoned:
+            self.call.seconds = 0.0
+            self._uncordon()
+            batches: list[list[_Live]] = [[] for _ in range(R)]
+            budget = self._schedule_running(batches, cfg.max_batch_tokens)
+            budget = self._admit(batches, budget)
+            rows = [live for b in batches for live in b]
+            if rows:
+                self.call("runtime_inputs", [[live.ctx for live in b] for b in batches])
+                tokens = cfg.max_batch_tokens - budget
+                self._forward(rows)
+                idle_waits = 0
+            else:
+                tokens = 0
+                idle_waits = self._wait_for_transfers(idle_waits)
+            self._record(step, rows, tokens)
+            step += 1
+            if self.progress is not None:
+                self.progress(self.done, len(self.requests), step)
+        wall = time.perf_counter() - t_start
+        s = self.series
+        used = np.asarray(s["blocks_used"], dtype=np.int64)
+        bk = np.asarray(s["bookkeeping_us"], dtype=np.float64)
+        hit_dev = sum(d for d, _ in self.hits.values())
+        hit_ext = sum(e for _, e in self.hits.values())
+        return dict(
+            requests=len(self.requests),
+            prompt_tokens=sum(r.prompt_length for r in self.requests),
+            output_tokens=sum(r.output_length for r in self.requests),
+            page_size=cfg.page_size,
+            replicas=R,
+            device_hit_tokens=hit_dev,
+            external_hit_tokens=hit_ext,
+            peak_blocks_used=int(used.max()) if used.size else 0,
+            mean_blocks_used=float(used.mean()) if used.size else 0.0,
+            preemptions=self.preemptions,
+            load_failures=self.load_failures,
+            steps=step,
+            bookkeeping_s_total=float(bk.sum()) / 1e6,
+            bookkeeping_us_p50=float(np.percentile(bk, 50)) if bk.size else 0.0,
+            bookkeeping_us_p99=float(np.percentile(bk, 99)) if bk.size else 0.0,
+            wall_s=wall,
+            series=s,
+        )
+
+    # -- phases of a step
+
+    def _uncordon(self) -> None:
+        still = []
+        for live in self.cordoned:
+            try:
+                ready = live.transfer.is_complete()
+            except KVLoadFailed:
+                # The next alloc undoes the splice and keeps only the device hit.
+                self.load_failures += 1
+                live.failed_load = True
+                ready = True
+            if ready:
+                live.transfer = None
+                self.running.append(live)
+            else:
+                still.append(live)
+        if len(still) != len(self.cordoned):
+            self.running.sort(key=lambda live: live.admitted_at)
+        self.cordoned = still
+
+    def _schedule_running(self, batches, budget: int) -> int:
+        """Schedule running requests oldest first; returns the token budget left."""
+        cap = self.config.max_batch_size
+        i = 0
+        while i < len(self.running):
+            live = self.running[i]
+            if budget == 0 or len(batches[live.replica]) >= cap:
+                i += 1
+                continue
+            if not self._alloc_running(live):
+                continue  # live itself was preempted; self.running shrank at i
+            if live.failed_load:
+                live.failed_load = False
+                self._settle_hit(live)
+            budget = self._take(live, batches, budget)
+            i += 1
+        return budget
+
+    def _alloc_running(self, live: _Live) -> bool:
+        """``alloc`` a running request, preempting the youngest of its replica until
+        it fits; False if it had to preempt itself."""
+        while True:
+            try:
+                self.call("alloc", live.ctx)
+                return True
+            except InsufficientBlocksError:
+                victim = next(v for v in reversed(self.running) if v.replica == live.replica)
+                self._preempt(victim)
+                if victim is live:
+                    return False
+
+    def _preempt(self, live: _Live) -> None:
+        # Spec (manager-semantics §9): preemption = release + ctx.reset() + front of the queue.
+        self.call("release", live.ctx)
+        live.ctx.reset()
+        self.running.remove(live)
+        self.waiting.appendleft(live)
+        self.preemptions += 1
+
+    def _admit(self, batches, budget: int) -> int:
+        cfg = self.config
+        while self.waiting and budget > 0 and len(self.running) + len(self.cordoned) < cfg.inflight_limit():
+            live = self.waiting[0]
+            if live.replica < 0 or not self.call("contains", live.ctx):
+                live.replica = self._route(live, batches)
+                if live.replica < 0:
+                    break
+                self.call("claim", live.ctx, live.replica)
+            if len(batches[live.replica]) >= cfg.max_batch_size:
+                break
+            try:
+                transfer = self.call("alloc", live.ctx)
+            except InsufficientBlocksError:
+                if not (self.running or self.cordoned or any(batches)):
+                    self._require_progress(live)
+                break  # first come, first served: the head waits for room
+            self.waiting.popleft()
+            live.admitted_at = self.admissions
+            self.admissions += 1
+            if not live.recorded:
+                self._settle_hit(live)
+            if transfer is not None and not transfer.is_complete():
+                # Spec (manager-semantics §9): an onload in flight cordons the request.
+                live.transfer = transfer
+                self.cordoned.append(live)
+                continue
+            self.running.append(live)
+            budget = self._take(live, batches, budget)
+        return budget
+
+    def _route(self, live: _Live, batches) -> int:
+        """Replica for a new request: most prefix hits, then fewest in flight, then lowest index."""
+        R = self.config.replicas
+        if R == 1:
+            return 0
+        hits = self.call("get_prefix_cache_hit_counts", live.ctx)
+        load = [0] * R
+        for other in self.running + self.cordoned:
+            load[other.replica] += 1
+        order = sorted(range(R), key=lambda r: (-hits[r].total_blocks, load[r], r))
+        for r in order:
+            if len(batches[r]) < self.config.max_batch_size:
+                return r
+        return -1
+
+    def _require_progress(self, live: _Live) -> None:
+        """The head does not fit an otherwise idle manager: wait for offloads, or give up."""
+        r = live.replica
+        if self.call("pending_transfers_exist", r):
+            return
+        count = self.call("block_count", r)
+        raise ReplayError(
+            f"replay: request {live.req.request_id} ({live.ctx.active_length} tokens to compute, "
+            f"{len(live.ctx)} in all) does not fit replica {r}: {count.free} of {count.total} blocks free "
+            f"and nothing else in flight"
+        )
+
+    def _settle_hit(self, live: _Live) -> None:
+        """Record the request's first-admission hit, or lower it after a failed onload."""
+        ctx = live.ctx
+        dev, ext = ctx.cached_prefix_length - ctx.cached_prefix_external_length, ctx.cached_prefix_external_length
+        if live.recorded:
+            # A failed onload: only the device part of the first hit stands.
+            old_dev, old_ext = self.hits[live.index]
+            dev, ext = min(old_dev, dev), 0
+            self.hit_tokens -= old_dev + old_ext
+        else:
+            live.recorded = True
+            self.hit_prompt_tokens += live.req.prompt_length
+        self.hits[live.index] = (dev, ext)
+        self.hit_tokens += dev + ext
+
+    def _take(self, live: _Live, batches, budget: int) -> int:
+        """Put ``live`` in its replica's batch, chunking its prefill to ``budget``."""
+        ctx = live.ctx
+        if ctx.active_length > budget:
+            ctx.chunk(budget)
+        batches[live.replica].append(live)
+        return budget - ctx.active_length
+
+    def _forward(self, rows: list[_Live]) -> None:
+        for live in rows:
+            ctx = live.ctx
+            if ctx.pending_length:
+                ctx.advance_chunk()
+                continue
+            ctx.update(int(live.req.output[live.generated]))
+            live.generated += 1
+            self.call("step", ctx)
+            if live.generated == live.req.output_length:
+                self.call("release", ctx)
+                self.running.remove(live)
+                self.done += 1
+
+    def _wait_for_transfers(self, idle_waits: int) -> int:
+        """Nothing could run this step: poll the manager, block on an onload if any."""
+        self.call("poll_transfers")
+        if self.cordoned:
+            try:
+                self.cordoned[0].transfer.synchronize()
+            except KVLoadFailed:
+                pass  # is_complete reports it at the next _uncordon
+        else:
+            time.sleep(min(0.001 * (idle_waits + 1), 0.05))
+            if idle_waits > 2000:
+                raise ReplayError("replay: no progress after 2000 idle steps (transfers never finish)")
+        return idle_waits + 1
+
+    def _record(self, step: int, rows: list[_Live], tokens: int) -> None:
+        s = self.series
+        m = self.mgr.get_metrics_aggregated()
+        used = sum(self.mgr.block_count(r).used for r in range(self.config.replicas))
+        prompt_done, hit = self.hit_prompt_tokens, self.hit_tokens
+        for key, value in (
+            ("step", step), ("batch_requests", len(rows)), ("batch_tokens", tokens),
+            ("running", len(self.running)), ("waiting", len(self.waiting)), ("cordoned", len(self.cordoned)),
+            ("blocks_used", used), ("hit_rate", hit / prompt_done if prompt_done else 0.0),
+            ("preemptions", self.preemptions), ("h2d_bytes", m.h2d_bytes_copied),
+            ("d2h_bytes", m.d2h_bytes_copied), ("disk_bytes_written", m.disk_bytes_written),
+            ("disk_bytes_read", m.disk_bytes_read), ("bookkeeping_us", 1e6 * self.call.seconds),
+        ):
+            s[key].append(value)
