@@ -1,0 +1,466 @@
+"""``KVCacheComparison``: the differential state machine of the slot cache (STYLE §4).
+
+Each example builds one small cache on the backend under test and the same
+cache on ``kvref`` (the model), then applies random operations to both: one
+rule per public method, named after it. Every call goes through
+:meth:`KVCacheComparison._both`, which captures value or exception on each
+side, asserts the same outcome (value, or type and message), and after a raise
+asserts that neither side's observable state moved. One ``@invariant`` then
+runs ``check_invariants()`` and compares lengths, block tables, the free
+order, stored K/V bytes, state slabs and cross planes.
+
+Run it for a backend with::
+
+    from hypothesis.stateful import run_state_machine_as_test
+    run_state_machine_as_test(KVCacheComparison.for_backend(backend))
+
+Each call is ``note()``-d as Python source, so a failure prints a replayable
+script (``cache`` is the backend's object).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import note
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, multiple, precondition, rule
+
+from .. import strategies as kst
+from .._config import KVCacheMode, LayerKind
+from ._backend import Backend
+from ._compare import assert_same, assert_same_outcome, capture, data_ptr, to_numpy
+
+__all__ = ["KVCacheComparison", "scatter_kv", "cache_snapshot", "live_kv"]
+
+_ATTN = (LayerKind.ATTENTION, LayerKind.SLIDING_WINDOW)
+
+#: True one draw in eight (False is the simplest value, so shrinking drops faults).
+_RARE = st.sampled_from([False] * 7 + [True])
+
+
+def scatter_kv(cache, layer: int, k: np.ndarray, v: np.ndarray, step) -> None:
+    """Write a step's K/V through ``step.slot_mapping`` into the live views
+    (what ``append_kv`` does; used for backends that ship no ``ops``)."""
+    sm = to_numpy(step.slot_mapping)
+    for view, src in ((cache.keys(layer), k), (cache.values(layer), v)):
+        flat = view.reshape(-1, *view.shape[2:])
+        if isinstance(flat, np.ndarray):
+            flat[sm] = src
+        else:  # pragma: no cover - GPU arrays
+            import cupy
+
+            flat[cupy.asarray(sm)] = cupy.asarray(src)
+
+
+def _assign(view, index, values: np.ndarray) -> None:
+    if isinstance(view, np.ndarray):
+        view[index] = values
+    else:  # pragma: no cover - GPU arrays
+        import cupy
+
+        view[index] = cupy.asarray(values)
+
+
+def live_kv(cache, layer: int, slot: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """K and V of positions ``[0, n)`` of ``slot``, read through the public views
+    and ``paged_block_table()`` (no ``ops`` needed)."""
+    K, V = to_numpy(cache.keys(layer)), to_numpy(cache.values(layer))
+    if cache.mode() is KVCacheMode.CONTIGUOUS:
+        return K[slot, :n].copy(), V[slot, :n].copy()
+    table = to_numpy(cache.paged_block_table())
+    P = K.shape[1]
+    pos = np.arange(n)
+    blocks = table[slot, pos // P]
+    return K[blocks, pos % P].copy(), V[blocks, pos % P].copy()
+
+
+def cache_snapshot(cache, specs, *, free_order: bool) -> dict:
+    """Everything observable of a cache, as host copies (for atomicity checks)."""
+    snap = {"seq_lens": to_numpy(cache.seq_lens()).copy(), "mode": cache.mode()}
+    table = cache.paged_block_table()
+    snap["block_table"] = None if table is None else to_numpy(table).copy()
+    if free_order:
+        snap["free_order"] = list(cache._free_order())
+    for l, spec in enumerate(specs):
+        if spec.kind is LayerKind.STATE:
+            for i in range(len(spec.conv_dims)):
+                snap[f"conv_state({l}, {i})"] = to_numpy(cache.conv_state(l, i)).copy()
+            if spec.recurrent is not None:
+                snap[f"recurrent_state({l})"] = to_numpy(cache.recurrent_state(l)).copy()
+        else:
+            snap[f"keys({l})"] = to_numpy(cache.keys(l)).copy()
+            snap[f"values({l})"] = to_numpy(cache.values(l)).copy()
+    return snap
+
+
+class KVCacheComparison(RuleBasedStateMachine):
+    """Differential state machine: the backend's ``KVCache`` against ``kvref.KVCache``.
+
+    Attributes
+    ----------
+    backend : Backend
+        Set by :meth:`for_backend`; the class itself cannot run.
+    oracle : Backend
+        ``kvref.conformance_backend()`` unless given.
+    """
+
+    backend: Backend | None = None
+    oracle: Backend | None = None
+
+    prompts = Bundle("prompts")
+
+    @classmethod
+    def for_backend(cls, backend: Backend, oracle: Backend | None = None) -> type:
+        """A runnable subclass bound to ``backend`` (and ``oracle``, default kvref)."""
+        if not isinstance(backend, Backend):
+            raise TypeError(f"KVCacheComparison.for_backend: backend={backend!r}, must be a kvspec.conformance.Backend")
+        if oracle is None:
+            import kvref
+
+            oracle = kvref.conformance_backend()
+        return type(f"KVCacheComparison_{backend.name}", (cls,), {"backend": backend, "oracle": oracle})
+
+    def __init__(self):
+        if self.backend is None:
+            raise TypeError("KVCacheComparison: use KVCacheComparison.for_backend(backend)")
+        super().__init__()
+        self.ref = self.sut = None
+        self.step = None
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def strict(self) -> bool:
+        return self.backend.supports("strict_block_ids")
+
+    def _snap(self, cache, side: str) -> dict:
+        return cache_snapshot(cache, self.specs, free_order=(side == "ref" or self.strict) and self.paged)
+
+    def _both(self, label: str, fn):
+        """Apply ``fn(cache, ops)`` to both sides; same outcome; no state change after a raise.
+
+        Returns the pair of values when both returned.
+        """
+        note(label)
+        before = (self._snap(self.ref, "ref"), self._snap(self.sut, "sut"))
+        r = capture(lambda: fn(self.ref, self.oracle.ops))
+        s = capture(lambda: fn(self.sut, self.backend.ops))
+        assert_same_outcome(label, r, s)
+        if r.raised:
+            assert_same(before[0], self._snap(self.ref, "ref"), f"{label} [kvref state after raise]")
+            assert_same(before[1], self._snap(self.sut, "sut"), f"{label}: state changed after {type(s.exc).__name__}")
+            return None
+        return r.value, s.value
+
+    def _seq(self) -> list[int]:
+        return [int(x) for x in to_numpy(self.ref.seq_lens())]
+
+    def _tokens_for(self, s: int, n: int, data) -> list[int]:
+        """Token ids of slot ``s`` for positions ``[0, n)``, drawing the unknown ones."""
+        toks = self.seqtok[s]
+        while len(toks) < n:
+            toks.append(data.draw(kst.token_ids(), label="token"))
+        return toks[:n]
+
+    def _pick(self, data, good, bad, label: str):
+        """Draw from ``good`` (a strategy), or one time in eight from the list ``bad``
+        (out-of-range or wrong-kind arguments, to compare error paths)."""
+        if bad and data.draw(_RARE, label=f"{label} fault"):
+            return data.draw(st.sampled_from(bad), label=label)
+        return data.draw(good, label=label)
+
+    def _forget(self, s: int) -> None:
+        self.seqtok[s] = []
+        self.fresh[s] = set()
+
+    def _layers(self, *kinds) -> list[int]:
+        return [l for l, sp in enumerate(self.specs) if sp.kind in kinds]
+
+    # ------------------------------------------------------------------ construction
+
+    @initialize(data=st.data())
+    def make(self, data):
+        cfg, specs = data.draw(kst.cache_configs(self.backend.capabilities), label="config")
+        self.cfg, self.specs = cfg, specs
+        self.paged = cfg.mode is KVCacheMode.PAGED
+        self.S, self.L, self.P = cfg.max_seqs, cfg.max_seq_len, cfg.block_size
+        note(f"cache = make_cache({cfg!r}, {specs!r})")
+        self.ref = self.oracle.make_cache(cfg, specs)
+        self.sut = self.backend.make_cache(cfg, specs)
+        self.seqtok = {s: [] for s in range(self.S)}
+        self.fresh = {s: set() for s in range(self.S)}
+        self.ptrs = {}
+        for l, sp in enumerate(specs):
+            if sp.kind is LayerKind.STATE:
+                for i in range(len(sp.conv_dims)):
+                    self.ptrs[("conv_state", l, i)] = data_ptr(self.sut.conv_state(l, i))
+                if sp.recurrent is not None:
+                    self.ptrs[("recurrent_state", l)] = data_ptr(self.sut.recurrent_state(l))
+            else:
+                self.ptrs[("keys", l)] = data_ptr(self.sut.keys(l))
+                self.ptrs[("values", l)] = data_ptr(self.sut.values(l))
+
+    # ------------------------------------------------------------------ prompts
+
+    @rule(target=prompts, p=kst.prompts(1, 12))
+    def new_prompt(self, p):
+        return p
+
+    @rule(target=prompts, base=prompts, more=kst.prompts(1, 6))
+    def extend_prompt(self, base, more):
+        return base + more
+
+    # ------------------------------------------------------------------ steps
+
+    @rule(data=st.data())
+    def prepare_step(self, data):
+        seq = self._seq()
+        B = data.draw(st.integers(1, min(3, self.S)), label="rows")
+        slots = data.draw(st.permutations(range(self.S)), label="order")[:B]
+        q = [data.draw(st.integers(1, 3), label="q_len") for _ in range(B)]
+        past = [seq[s] for s in slots]
+        fault = data.draw(st.sampled_from(["ok"] * 8 + ["past", "dup", "slot", "cu0", "long", "shape"]), label="fault")
+        cu = [0]
+        for n in q:
+            cu.append(cu[-1] + n)
+        if fault == "past":
+            past[0] += 1
+        elif fault == "dup" and B >= 2:
+            slots[1] = slots[0]
+        elif fault == "slot":
+            slots[-1] = self.S
+        elif fault == "cu0":
+            cu = [1] + cu[1:]
+        elif fault == "long":
+            q[0] = self.L - past[0] + 1
+            cu = [0]
+            for n in q:
+                cu.append(cu[-1] + n)
+        elif fault == "shape":
+            past = past + [0]
+        args = (np.array(cu, np.int32), np.array(past, np.int32), np.array(slots, np.int32))
+        out = self._both(
+            f"step = cache.prepare_step({cu}, {past}, {slots})",
+            lambda c, ops: c.prepare_step(*args),
+        )
+        self.step = None
+        if out is not None:
+            self.step = (out[0], out[1], list(zip(slots, past, q)))
+            for s, p, n in self.step[2]:
+                self._tokens_for(s, p + n, data)
+
+    @precondition(lambda self: self.step is not None)
+    @rule(data=st.data())
+    def append_kv(self, data):
+        ref_step, sut_step, rows = self.step
+        T = int(sum(n for _, _, n in rows))
+        for l in self._layers(*_ATTN):
+            sp = self.specs[l]
+            k = data.draw(kst.kv_arrays((T, sp.kv_heads, sp.head_dim), self.cfg.dtype), label="k")
+            v = data.draw(kst.kv_arrays((T, sp.kv_heads, sp.head_dim), self.cfg.dtype), label="v")
+
+            def call(c, ops, l=l, k=k, v=v):
+                st_ = ref_step if c is self.ref else sut_step
+                if ops is None:
+                    return scatter_kv(c, l, k, v, st_)
+                return ops.append_kv(c, l, k, v, st_)
+
+            self._both(f"ops.append_kv(cache, {l}, k, v, step)  # k, v: {k.shape} {k.dtype}", call)
+        for s, p, n in rows:
+            self.fresh[s].update(range(p, p + n))
+
+    @rule(data=st.data())
+    def update_position(self, data):
+        seq = self._seq()
+        if self.step is not None and data.draw(st.booleans(), label="commit"):
+            s, p, n = data.draw(st.sampled_from(self.step[2]), label="row")
+            new = p + n
+        else:
+            s = self._pick(data, st.integers(0, self.S - 1), [self.S, -1], "slot")
+            base = seq[s] if 0 <= s < self.S else 0
+            new = self._pick(data, st.integers(max(base - self.P, 0), base + self.P), [-1, self.L + 1], "new_pos")
+        out = self._both(f"cache.update_position({s}, {new})", lambda c, ops: c.update_position(s, new))
+        if out is not None:
+            self._tokens_for(s, new, data)
+            self.fresh[s] = {x for x in self.fresh[s] if x < new}
+
+    @precondition(lambda self: self.paged)
+    @rule(data=st.data())
+    def reserve(self, data):
+        seq = self._seq()
+        B = data.draw(st.integers(0, min(3, self.S)), label="rows")
+        slots = data.draw(st.permutations(range(self.S)), label="order")[:B]
+        n = [data.draw(st.integers(0, 3), label="n_new") for _ in slots]
+        if slots and data.draw(_RARE, label="fault"):
+            n[0] = self.L + 1 - seq[slots[0]]
+        out = self._both(
+            f"cache.reserve({slots}, {n})",
+            lambda c, ops: c.reserve(np.array(slots, np.int64), np.array(n, np.int64)),
+        )
+        self.step = None
+        if out is not None:
+            for s, k in zip(slots, n):
+                self._tokens_for(s, seq[s] + k, data)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @rule(data=st.data())
+    def evict_batch(self, data):
+        s = self._pick(data, st.integers(0, self.S - 1), [self.S, -1], "slot")
+        out = self._both(f"cache.evict_batch({s})", lambda c, ops: c.evict_batch(s))
+        self.step = None
+        if out is not None:
+            self._forget(s)
+
+    @rule(gate=st.sampled_from([False] * 7 + [True]))
+    def reset(self, gate):
+        if not gate:  # a rare rule: one draw in eight resets
+            return
+        self._both("cache.reset()", lambda c, ops: c.reset())
+        self.step = None
+        for s in range(self.S):
+            self._forget(s)
+
+    @precondition(lambda self: self._layers(LayerKind.CROSS_ATTENTION))
+    @rule(data=st.data())
+    def fill(self, data):
+        cross = self._layers(LayerKind.CROSS_ATTENTION)
+        l = self._pick(data, st.sampled_from(cross), [0, len(self.specs)], "layer")
+        sp = self.specs[l] if l < len(self.specs) else self.specs[0]
+        s = data.draw(st.integers(0, self.S - 1), label="slot")
+        t = self._pick(data, st.integers(1, max(sp.max_enc_len, 1)), [0, sp.max_enc_len + 1], "t_enc")
+        shape = (t, sp.kv_heads or 1, sp.head_dim or 1)
+        k = data.draw(kst.kv_arrays(shape, self.cfg.dtype), label="k")
+        v = data.draw(kst.kv_arrays(shape, self.cfg.dtype), label="v")
+        self._both(f"cache.fill({l}, {s}, k, v)  # k, v: {shape} {k.dtype}", lambda c, ops: c.fill(l, s, k, v))
+
+    # ------------------------------------------------------------------ prefix reuse
+
+    @precondition(lambda self: self.paged)
+    @rule(data=st.data(), prompt=prompts, more=kst.prompts(0, 4))
+    def admit(self, data, prompt, more):
+        seq = self._seq()
+        prompt = (prompt + more)[: self.L] or [0]
+        table = self.ref.paged_block_table()
+        empty = [s for s in range(self.S) if seq[s] == 0 and (table is None or not table[s].any())]
+        if empty and not data.draw(_RARE, label="busy slot"):
+            s = data.draw(st.sampled_from(empty), label="slot")
+        else:
+            s = data.draw(st.integers(0, self.S), label="slot")
+        addr = data.draw(st.one_of(st.just(-1), st.just(-1), st.integers(-2, len(prompt) + 1)), label="addressable_len")
+        out = self._both(
+            f"cache.admit({s}, {prompt}, {addr})",
+            lambda c, ops: c.admit(s, np.array(prompt, np.int32), addr),
+        )
+        self.step = None
+        if out is not None:
+            self.seqtok[s] = list(prompt)
+            self.fresh[s] = set()
+
+    @precondition(lambda self: self.paged)
+    @rule(target=prompts, data=st.data())
+    def retire(self, data):
+        """Retire a slot; its tokens join the ``prompts`` bundle so later admits can hit."""
+        seq = self._seq()
+        s = self._pick(data, st.integers(0, self.S - 1), [self.S], "slot")
+        n = seq[s] if s < self.S else 0
+        toks = list(self._tokens_for(s, n + 1, data)) if s < self.S else [0]
+        toks = toks[: n + data.draw(st.integers(-1, 1), label="extra")] if n else toks[:1]
+        if toks and data.draw(_RARE, label="fault"):
+            toks[0] = kst.VOCAB  # contradicts an adopted block, if any
+        addr = data.draw(st.one_of(st.just(-1), st.just(-1), st.integers(-2, n + 1)), label="addressable_len")
+        out = self._both(
+            f"cache.retire({s}, {toks}, {addr})",
+            lambda c, ops: c.retire(s, np.array(toks, np.int32), addr),
+        )
+        self.step = None
+        if out is None or not toks:
+            return multiple()
+        self._forget(s)
+        return toks
+
+    # ------------------------------------------------------------------ accessors
+
+    @rule(data=st.data())
+    def keys(self, data):
+        l = self._pick(data, st.integers(0, len(self.specs) - 1), [-1, len(self.specs)], "layer")
+        self._both(f"cache.keys({l})", lambda c, ops: to_numpy(c.keys(l)).copy())
+
+    @rule(data=st.data())
+    def values(self, data):
+        l = self._pick(data, st.integers(0, len(self.specs) - 1), [-1, len(self.specs)], "layer")
+        self._both(f"cache.values({l})", lambda c, ops: to_numpy(c.values(l)).copy())
+
+    @precondition(lambda self: any(sp.conv_dims for sp in self.specs))
+    @rule(data=st.data())
+    def conv_state(self, data):
+        """Read a conv slab (errors compared); on a valid one, write a slot's row
+        through the live view on both sides, as a conv kernel would."""
+        conv = [l for l, sp in enumerate(self.specs) if sp.conv_dims]
+        l = self._pick(data, st.sampled_from(conv), [0, len(self.specs)], "layer")
+        sp = self.specs[l] if l < len(self.specs) else None
+        n_conv = len(sp.conv_dims) if sp is not None and sp.kind is LayerKind.STATE else 1
+        i = self._pick(data, st.integers(0, max(n_conv - 1, 0)), [n_conv, -1], "index")
+        out = self._both(f"cache.conv_state({l}, {i})", lambda c, ops: to_numpy(c.conv_state(l, i)).copy())
+        if out is not None:
+            s = data.draw(st.integers(0, self.S - 1), label="slot")
+            row = data.draw(kst.kv_arrays(out[0].shape[1:], out[0].dtype), label="row")
+            note(f"cache.conv_state({l}, {i})[{s}] = row")
+            _assign(self.ref.conv_state(l, i), s, row)
+            _assign(self.sut.conv_state(l, i), s, row)
+
+    @precondition(lambda self: any(sp.recurrent for sp in self.specs))
+    @rule(data=st.data())
+    def recurrent_state(self, data):
+        """Like ``conv_state`` for the recurrent slab."""
+        rec = [l for l, sp in enumerate(self.specs) if sp.recurrent]
+        l = self._pick(data, st.sampled_from(rec), [0, len(self.specs)], "layer")
+        out = self._both(f"cache.recurrent_state({l})", lambda c, ops: to_numpy(c.recurrent_state(l)).copy())
+        if out is not None:
+            s = data.draw(st.integers(0, self.S - 1), label="slot")
+            row = data.draw(kst.kv_arrays(out[0].shape[1:], out[0].dtype), label="row")
+            note(f"cache.recurrent_state({l})[{s}] = row")
+            _assign(self.ref.recurrent_state(l), s, row)
+            _assign(self.sut.recurrent_state(l), s, row)
+
+    # ------------------------------------------------------------------ invariant
+
+    @invariant()
+    def agrees_with_kvref(self):
+        if self.ref is None:
+            return
+        self.ref.check_invariants()
+        if self.backend.supports("invariants"):
+            self.sut.check_invariants()
+        assert_same(self.ref.mode(), self.sut.mode(), "mode()")
+        assert_same(self.ref.seq_lens(), self.sut.seq_lens(), "seq_lens()")
+        ref_table, sut_table = self.ref.paged_block_table(), self.sut.paged_block_table()
+        if self.strict or ref_table is None:
+            assert_same(ref_table, sut_table, "paged_block_table()")
+        else:  # without strict block ids only the shape of the table and its live columns agree
+            a, b = to_numpy(ref_table), to_numpy(sut_table)
+            assert_same(a != 0, b != 0, "paged_block_table() != 0")
+        if self.strict and self.paged:
+            assert_same(self.ref._free_order(), list(self.sut._free_order()), "_free_order()")
+        for key, ptr in self.ptrs.items():
+            name, *idx = key
+            now = data_ptr(getattr(self.sut, name)(*idx))
+            assert now == ptr, f"{name}{tuple(idx)}: buffer moved (was {ptr:#x}, now {now:#x}); views must be live and stable"
+        seq = self._seq()
+        for l, sp in enumerate(self.specs):
+            if sp.kind is LayerKind.STATE:
+                for i in range(len(sp.conv_dims)):
+                    assert_same(self.ref.conv_state(l, i), self.sut.conv_state(l, i), f"conv_state({l}, {i})")
+                if sp.recurrent is not None:
+                    assert_same(self.ref.recurrent_state(l), self.sut.recurrent_state(l), f"recurrent_state({l})")
+            elif sp.kind is LayerKind.CROSS_ATTENTION or self.strict:
+                assert_same(self.ref.keys(l), self.sut.keys(l), f"keys({l})")
+                assert_same(self.ref.values(l), self.sut.values(l), f"values({l})")
+            else:
+                for s in range(self.S):
+                    pos = sorted(p for p in self.fresh[s] if p < seq[s])
+                    if pos:
+                        rk, rv = live_kv(self.ref, l, s, seq[s])
+                        sk, sv = live_kv(self.sut, l, s, seq[s])
+                        assert_same(rk[pos], sk[pos], f"K of layer {l} slot {s} positions {pos}")
+                        assert_same(rv[pos], sv[pos], f"V of layer {l} slot {s} positions {pos}")
