@@ -1,6 +1,54 @@
 """kvfast: the fast path of kvcache (Numba on the CPU, CuPy/Numba-CUDA on a GPU).
 
-Same public names and observable results as ``kvref``.
+Same public names and observable results as ``kvref`` (DESIGN §7): returned
+values, ``seq_lens``, block tables and block ids, stored K/V bytes, metrics.
+Bookkeeping is O(1) per block (an intrusive int32 free list), step indices
+are built by compiled kernels, and K/V move by bit-pattern copy kernels
+(``kvfast/kernels/*.cu`` on a GPU, ``kvfast/_numba`` on the CPU).
+
+Public surface: ``KVCache`` (slot cache), ``PagedKVCacheManager`` (request
+manager), ``ops`` (``append_kv``, ``gather_kv``, ``varlen_attention``),
+``check_invariants``, ``TieredConnector``, ``conformance_backend`` and every
+``kvspec`` name re-exported. Numba and CuPy are imported on first use, never
+at ``import kvfast``.
 """
 
+from __future__ import annotations
+
+import importlib
+
+from kvspec import *  # noqa: F401,F403  (the shared names, DESIGN §3)
+from kvspec import __all__ as _spec_all
+
 __version__ = "0.1.0"
+
+# Public name -> private module; loaded on first use (PEP 562).
+_LAZY = {
+    "KVCache": "._slot_cache",
+    "PagedKVCacheManager": "._manager",
+    "TieredConnector": "._tiers",
+    "ops": ".ops",
+    "conformance_backend": "._backend",
+}
+
+__all__ = sorted(set(_spec_all) | set(_LAZY) | {"check_invariants"})
+
+
+def check_invariants(obj) -> None:
+    """Raise ``AssertionError`` naming the first broken invariant of a
+    ``KVCache`` or ``PagedKVCacheManager``; return None when all hold."""
+    obj.check_invariants()
+
+
+def __getattr__(name):
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'kvfast' has no attribute {name!r}")
+    module = importlib.import_module(mod, __name__)
+    value = module if name == "ops" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

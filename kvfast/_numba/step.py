@@ -1,0 +1,148 @@
+"""Step-index construction on the CPU (DESIGN §4.3) as Numba kernels.
+
+``check_step`` validates a step in the reference's order and reports the
+first offender as a code; ``grow_rows`` appends freshly allocated blocks to
+the rows' table entries; ``build_indices`` writes every ``StepIndices``
+array in one pass. No per-token Python work: one call each per step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+__all__ = [
+    "OK", "CU0", "NOT_INCREASING", "SLOT_RANGE", "SLOT_DUP", "PAST_MISMATCH", "CAPACITY",
+    "check_step", "check_slots", "blocks_needed", "grow_rows", "build_indices",
+]
+
+# Result codes of check_step / check_slots (the Python side formats the message).
+OK, CU0, NOT_INCREASING, SLOT_RANGE, SLOT_DUP, PAST_MISMATCH, CAPACITY = range(7)
+
+
+@njit(nogil=True, cache=True)
+def check_slots(slots, max_seqs, mark, first, gen):
+    """First slot out of range or duplicated, in row order.
+
+    ``mark``/``first`` are int64/int32 scratch arrays ``[max_seqs]``; ``gen``
+    is a fresh stamp (so the scratch never needs clearing). Returns
+    ``(code, i, j)``: ``j`` is the earlier row of a duplicate.
+    """
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        if s < 0 or s >= max_seqs:
+            return SLOT_RANGE, i, 0
+        if mark[s] == gen:
+            return SLOT_DUP, i, first[s]
+        mark[s] = gen
+        first[s] = i
+    return OK, 0, 0
+
+
+@njit(nogil=True, cache=True)
+def check_step(cu, past, slots, seq, max_seqs, max_seq_len, mark, first, gen):
+    """Validate ``(cu_seqlens_q, past_len, slot_ids)`` (lengths already checked).
+
+    Order and codes follow ``kvref.KVCache.prepare_step``: ``cu[0] == 0``;
+    strictly increasing ``cu``; slots in range and distinct; ``past_len[i] ==
+    seq[slot_i]``; ``past + q <= max_seq_len``. Returns ``(code, i, j)``.
+    """
+    n = slots.shape[0]
+    if cu[0] != 0:
+        return CU0, 0, 0
+    for i in range(1, n + 1):
+        if cu[i] <= cu[i - 1]:
+            return NOT_INCREASING, i, 0
+    code, i, j = check_slots(slots, max_seqs, mark, first, gen)
+    if code != OK:
+        return code, i, j
+    for i in range(n):
+        if past[i] != seq[slots[i]]:
+            return PAST_MISMATCH, i, 0
+    for i in range(n):
+        if past[i] + (cu[i + 1] - cu[i]) > max_seq_len:
+            return CAPACITY, i, 0
+    return OK, 0, 0
+
+
+@njit(nogil=True, cache=True)
+def blocks_needed(slots, new_len, nblk, block_size, add):
+    """``add[i] = max(ceil(new_len[i] / block_size) - nblk[slot_i], 0)``; returns the sum."""
+    total = 0
+    for i in range(slots.shape[0]):
+        need = (new_len[i] + block_size - 1) // block_size - nblk[slots[i]]
+        if need < 0:
+            need = 0
+        add[i] = need
+        total += need
+    return total
+
+
+@njit(nogil=True, cache=True)
+def grow_rows(slots, add, blocks, table, nblk):
+    """Append ``add[i]`` blocks of ``blocks`` (handed out in row order) to row ``slots[i]``."""
+    k = 0
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        start = nblk[s]
+        for j in range(add[i]):
+            table[s, start + j] = blocks[k]
+            k += 1
+        nblk[s] = start + add[i]
+
+
+@njit(nogil=True, cache=True)
+def build_indices(cu, past, slots, table, enc, block_size, max_seq_len, paged):
+    """Every ``StepIndices`` array of a validated step, in one pass.
+
+    Returns ``(cu_seqlens_q, past_len, seqused_k, cu_seqlens_k, slot_ids,
+    batch_indices, positions, slot_mapping, has_initial_state,
+    cross_seqused_k, logits_indices, max_seqlen_q, max_seqlen_k)`` with the
+    dtypes of DESIGN §4.3.
+    """
+    n = slots.shape[0]
+    t_total = cu[n]
+    cu_q = np.empty(n + 1, np.int32)
+    past_o = np.empty(n, np.int32)
+    used = np.empty(n, np.int32)
+    cu_k = np.empty(n + 1, np.int32)
+    slot_o = np.empty(n, np.int32)
+    bi = np.empty(t_total, np.int32)
+    pos = np.empty(t_total, np.int32)
+    sm = np.empty(t_total, np.int64)
+    init = np.empty(n, np.bool_)
+    cross = np.empty(n, np.int32)
+    logits = np.empty(n, np.int32)
+    cu_q[0] = 0
+    cu_k[0] = 0
+    max_q = 0
+    max_k = 0
+    acc = 0
+    for b in range(n):
+        lo = cu[b]
+        hi = cu[b + 1]
+        q = hi - lo
+        p0 = past[b]
+        s = slots[b]
+        cu_q[b + 1] = hi
+        past_o[b] = p0
+        used[b] = p0 + q
+        acc += p0 + q
+        cu_k[b + 1] = acc
+        slot_o[b] = s
+        init[b] = p0 > 0
+        cross[b] = enc[s]
+        logits[b] = hi - 1
+        if q > max_q:
+            max_q = q
+        if p0 + q > max_k:
+            max_k = p0 + q
+        for t in range(lo, hi):
+            p = p0 + (t - lo)
+            bi[t] = b
+            pos[t] = p
+            if paged:
+                sm[t] = np.int64(table[s, p // block_size]) * block_size + p % block_size
+            else:
+                sm[t] = np.int64(s) * max_seq_len + p
+    return cu_q, past_o, used, cu_k, slot_o, bi, pos, sm, init, cross, logits, max_q, max_k
