@@ -660,7 +660,7 @@ class PagedKVCacheManager:
             done = handle.is_complete()
         except KVLoadRefused:
             # Spec §8.5: a refused load is a clean miss; the pages stay the request's.
-            self._metrics.connector_loads_refused += 1
+            # connector_loads_refused is the connector's counter (no double count).
             return CompletedTransfer()
         except KVLoadFailed:
             # Spec §8.6: failed at post or first poll: miss at the device hit, skip the connector.
@@ -1265,6 +1265,7 @@ class PagedKVCacheManager:
         for r in range(self._dp):
             reqs = [q for q in self._requests.values() if q.replica == r and not q.dummy]
             loading = {b for ld in self._loads if ld.replica == r for b in ld.pages}
+            loading |= {b for q in reqs if q.load is not None for b in q.load.pages}  # failed, not yet undone
             for leaf in self._leaves:
                 lid = leaf.leaf_id
                 refs: Counter = Counter()

@@ -698,3 +698,501 @@ def test_decode_counts_input_tokens_every_forward():
     ctx = run_prompt(m, "a", [1, 2, 3], release=False, decode=3)
     assert m.get_metrics_aggregated().input_tokens == 3 + 3
     assert ctx.processed_length == 6
+
+
+# --------------------------------------------------------------------------- 14-15. connector plumbing
+
+from kvspec import KVLoadFailed, KVLoadRefused  # noqa: E402
+
+
+class Handle:
+    """A real transfer handle: ``land()`` performs the copy; ``fail`` makes polls raise."""
+
+    def __init__(self, action, fail=False):
+        self.action, self.fail, self.done, self.polls = action, fail, False, 0
+
+    def land(self):
+        if not self.done and not self.fail:
+            self.action()
+            self.done = True
+
+    def is_complete(self):
+        self.polls += 1
+        if self.fail:
+            raise KVLoadFailed("DictConnector: injected copy failure")
+        return self.done
+
+    def synchronize(self):
+        self.land()
+        if self.fail:
+            raise KVLoadFailed("DictConnector: injected copy failure")
+
+
+class DictConnector:
+    """A connector that keeps page bytes in a dict keyed by hash (a real tier, no mocks).
+
+    ``asynchronous``: handles complete only on ``land()`` (or ``land_all()``).
+    ``refuse``/``fail_post``/``fail_poll``: the next so many loads are refused,
+    fail at post, or fail at their first poll.
+    """
+
+    name = "dict"
+
+    def __init__(self, asynchronous=False, offload_async=False):
+        self.asynchronous, self.offload_async = asynchronous, offload_async
+        self.store = {}
+        self.buffers = None
+        self.refuse = self.fail_post = self.fail_poll = 0
+        self.handles = []
+        self.touched = []
+        self.lookups = 0
+        self.metrics_ = KVCacheMetrics()
+
+    def attach(self, buffers, params):
+        self.buffers = list(buffers)
+
+    def lookup(self, hashes, tokens, replica_idx=0):
+        self.lookups += 1
+        n = 0
+        for h, t in zip(hashes, tokens):
+            if h not in self.store or not np.array_equal(self.store[h][0], t):
+                break
+            n += 1
+        return n
+
+    def load(self, block_ids, hashes, tokens, replica_idx=0):
+        if self.refuse:
+            self.refuse -= 1
+            self.metrics_.connector_loads_refused += 1
+            raise KVLoadRefused("DictConnector: refused", block_hash=hashes[0])
+        if self.fail_post:
+            self.fail_post -= 1
+            raise KVLoadFailed("DictConnector: failed at post")
+        if any(h not in self.store for h in hashes):
+            self.metrics_.connector_loads_refused += 1
+            raise KVLoadRefused("DictConnector: evicted since lookup")
+        buf = self.buffers[replica_idx]
+        pages = [self.store[h][1] for h in hashes]
+
+        def copy():
+            for b, p in zip(block_ids, pages):
+                buf[b] = p
+            self.metrics_.h2d_bytes_copied += sum(p.nbytes for p in pages)
+
+        fail = bool(self.fail_poll)
+        self.fail_poll = max(0, self.fail_poll - 1)
+        h = Handle(copy, fail=fail)
+        if not self.asynchronous:
+            h.land()
+        self.handles.append(h)
+        return h
+
+    def offload(self, block_ids, hashes, tokens, replica_idx=0):
+        buf = self.buffers[replica_idx]
+
+        def copy():
+            for b, hh, t in zip(block_ids, hashes, tokens):
+                self.store[bytes(hh)] = (np.array(t), buf[b].copy())
+            self.metrics_.d2h_bytes_copied += sum(buf[b].nbytes for b in block_ids)
+
+        h = Handle(copy)
+        if not self.offload_async:
+            h.land()
+        self.handles.append(h)
+        return h
+
+    def land_all(self):
+        for h in self.handles:
+            h.land()
+
+    def touch(self, hashes, replica_idx=0):
+        self.touched.append(list(hashes))
+
+    def poll_transfers(self):
+        return None
+
+    def reset_prefix_cache(self):
+        self.store.clear()
+
+    def shutdown(self):
+        self.land_all()
+
+    def host_byte_count(self):
+        n = sum(p.nbytes for _, p in self.store.values())
+        return ByteCount(10**6 - n, 10**6)
+
+    def disk_byte_count(self):
+        return ByteCount(0, 0)
+
+    @property
+    def metrics(self):
+        return self.metrics_.copy()
+
+    def take_metrics(self):
+        m, self.metrics_ = self.metrics_, KVCacheMetrics()
+        return m
+
+
+def forward(m, ctx):
+    """Write K/V that depends on every token up to the position, then update + step."""
+    rows = m.get_req_blocks_per_leaf(ctx)["full"]
+    buf = m.get_device_buffer(ctx_replica(m, ctx))
+    toks = ctx.tokens
+    for p in range(ctx.processed_length, ctx.current_position):
+        buf[rows[p // PAGE], :, :, p % PAGE] = kv_value(toks, p)
+    ctx.update(int(toks[-1]) + 1)
+    m.step(ctx)
+
+
+def ctx_replica(m, ctx):
+    return m._requests[ctx.request_id].replica
+
+
+def kv_value(toks, p):
+    return float((int(np.sum(np.asarray(toks[: p + 1], dtype=np.int64) * np.arange(1, p + 2))) % 1009) + p)
+
+
+def assert_kv_correct(m, ctx):
+    """Every processed position holds the K/V its prefix produces."""
+    rows = m.get_req_blocks_per_leaf(ctx)["full"]
+    buf = m.get_device_buffer(ctx_replica(m, ctx))
+    for p in range(ctx.processed_length):
+        assert np.all(buf[rows[p // PAGE], :, :, p % PAGE] == kv_value(ctx.tokens, p)), p
+
+
+def evict_device(m):
+    for pools in m._pools:
+        for pool in pools.values():
+            pool.reset_prefix_cache()
+
+
+def offloaded(m, conn, toks, rid="w"):
+    ctx = TextContext(rid, toks)
+    m.claim(ctx)
+    m.alloc(ctx)
+    forward(m, ctx)
+    m.release(ctx)
+    m.poll_transfers()
+    conn.land_all()
+    m.poll_transfers()
+    evict_device(m)
+    return ctx
+
+
+def test_offload_then_load_round_trip_bit_identical():
+    conn = DictConnector()
+    m = make(num_blocks=16, connector=conn)
+    toks = list(range(13))
+    offloaded(m, conn, toks)
+    assert len(conn.store) == 3
+    ctx = TextContext("b", toks)
+    assert m.get_prefix_cache_hit_counts(ctx) == [PrefixCacheHits(0, 3)]
+    m.claim(ctx)
+    assert isinstance(m.alloc(ctx), CompletedTransfer)
+    assert ctx.processed_length == 12 and ctx.cached_prefix_external_length == 12 and ctx.cached_prefix_length == 12
+    assert_kv_correct(m, ctx)
+    met = m.get_metrics_aggregated()
+    assert met.cache_tokens == 12 and met.external_blocks_served == 3 and met.h2d_bytes_copied > 0
+    assert met.device_blocks_served == 0
+    check_invariants(m)
+    # landed pages are published: a third request hits on the device
+    c = TextContext("c", toks)
+    m.claim(c)
+    m.alloc(c)
+    assert c.cached_prefix_length == 12 and c.cached_prefix_external_length == 0
+    assert_kv_correct(m, c)
+
+
+def test_device_hit_then_connector_for_the_rest_and_touch():
+    conn = DictConnector()
+    m = make(num_blocks=16, connector=conn)
+    toks = list(range(13))
+    offloaded(m, conn, toks)
+    run_prompt(m, "d", toks[:5])  # device holds block 0 only
+    conn.touched.clear()
+    ctx = TextContext("b", toks)
+    m.claim(ctx)
+    m.alloc(ctx)
+    assert ctx.cached_prefix_length == 12 and ctx.cached_prefix_external_length == 8
+    assert [len(t) for t in conn.touched] == [1]  # device-served run, root-anchored
+    m.release(ctx)
+    assert len(conn.touched[-1]) == 3  # release re-ranks the whole committed sequence
+
+
+def test_async_load_pins_and_publishes_only_after_landing():
+    conn = DictConnector(asynchronous=True)
+    m = make(num_blocks=16, connector=conn)
+    toks = list(range(13))
+    offloaded(m, conn, toks)
+    ctx = TextContext("b", toks)
+    m.claim(ctx)
+    t = m.alloc(ctx)
+    assert not t.is_complete() and m.pending_transfers_exist(0)
+    rows = m.get_req_blocks_per_leaf(ctx)["full"]
+    assert all(m._pools[0]["full"].ref_count[b] == 2 for b in rows[:3])  # row + pin
+    assert m.get_prefix_cache_hit_counts(TextContext("p", toks))[0].device_blocks == 0  # unlanded: unpublished
+    check_invariants(m)
+    m.poll_transfers()
+    assert m.pending_transfers_exist(0)
+    t.land()
+    m.poll_transfers()
+    assert not m.pending_transfers_exist(0)
+    assert m.get_prefix_cache_hit_counts(TextContext("p", toks))[0].device_blocks == 3
+    assert_kv_correct(m, ctx)
+    forward(m, ctx)
+    check_invariants(m)
+
+
+def test_alloc_drains_finished_transfers_first():
+    conn = DictConnector(asynchronous=True)
+    m = make(num_blocks=16, connector=conn)
+    toks = list(range(13))
+    offloaded(m, conn, toks)
+    ctx = TextContext("b", toks)
+    m.claim(ctx)
+    t = m.alloc(ctx)
+    t.land()
+    m.alloc(ctx)  # drains: the load lands and unpins
+    assert not m.pending_transfers_exist(0)
+    check_invariants(m)
+
+
+def test_refused_load_is_a_clean_miss():
+    conn = DictConnector()
+    m = make(num_blocks=16, connector=conn)
+    toks = list(range(13))
+    offloaded(m, conn, toks)
+    conn.refuse = 1
+    ctx = TextContext("b", toks)
+    m.claim(ctx)
+    assert isinstance(m.alloc(ctx), CompletedTransfer)
+    assert ctx.processed_length == 0 and ctx.cached_prefix_external_length == 0
+    assert m.get_metrics_aggregated().connector_loads_refused == 1
+    assert len(m.get_req_blocks_per_leaf(ctx)["full"]) == 4 and not m.pending_transfers_exist()
+    check_invariants(m)
+
+
+def test_load_failure_at_post_is_a_miss_and_skips_the_connector():
+    conn = DictConnector()
+    m = make(num_blocks=16, connector=conn)
+    toks = list(range(13))
+    offloaded(m, conn, toks)
+    run_prompt(m, "d", toks[:5])  # device hit of 1 block
+    conn.fail_post = 1
+    ctx = TextContext("b", toks)
+    m.claim(ctx)
+    m.alloc(ctx)
+    assert ctx.processed_length == 4 and ctx.cached_prefix_external_length == 0
+    assert m.get_metrics_aggregated().connector_load_failures == 1
+    assert m.starts_lookup(ctx) is False
+    check_invariants(m)
+
+
+def test_load_failure_at_first_poll_is_a_miss():
+    conn = DictConnector(asynchronous=True)
+    m = make(num_blocks=16, connector=conn)
+    toks = list(range(13))
+    offloaded(m, conn, toks)
+    conn.fail_poll = 1
+    ctx = TextContext("b", toks)
+    m.claim(ctx)
+    assert isinstance(m.alloc(ctx), CompletedTransfer)
+    assert ctx.processed_length == 0 and m.get_metrics_aggregated().connector_load_failures == 1
+    assert not m.pending_transfers_exist()
+    check_invariants(m)
+
+
+def test_load_failure_seen_later_resplices_only_the_device_hit():
+    conn = DictConnector(asynchronous=True)
+    m = make(num_blocks=16, connector=conn)
+    toks = list(range(13))
+    offloaded(m, conn, toks)
+    run_prompt(m, "d", toks[:5])  # loads block 0 asynchronously
+    conn.land_all()
+    m.poll_transfers()  # now published on the device
+    ctx = TextContext("b", toks)
+    m.claim(ctx)
+    t = m.alloc(ctx)
+    assert ctx.processed_length == 12 and not t.is_complete()
+    before = m.get_metrics_aggregated()
+    t.fail = True
+    m.poll_transfers()  # unpinned, unpublished
+    assert not m.pending_transfers_exist()
+    assert m.get_prefix_cache_hit_counts(TextContext("p", toks))[0].device_blocks == 1
+    check_invariants(m)
+    m.alloc(ctx)
+    assert ctx.processed_length == 4 and ctx.cached_prefix_length == 4 and ctx.cached_prefix_external_length == 0
+    met = m.get_metrics_aggregated()
+    assert met.connector_load_failures == 1
+    assert met.cache_tokens == before.cache_tokens - 8
+    forward(m, ctx)
+    assert_kv_correct(m, ctx)
+    check_invariants(m)
+
+
+def test_forward_that_ran_past_a_failed_load_raises_at_next_alloc():
+    conn = DictConnector(asynchronous=True)
+    m = make(num_blocks=16, connector=conn)
+    toks = list(range(13))
+    offloaded(m, conn, toks)
+    ctx = TextContext("b", toks)
+    m.claim(ctx)
+    t = m.alloc(ctx)
+    t.fail = True
+    ctx.update(99)
+    m.step(ctx)  # the forward ran although the load had not landed
+    with pytest.raises(RuntimeError, match="ran past") as ei:
+        m.alloc(ctx)
+    assert isinstance(ei.value.__cause__, KVLoadFailed)
+    m.release(ctx)
+    assert m.block_count().used == 0 and not m.pending_transfers_exist()
+    check_invariants(m)
+
+
+def test_release_during_load_leaks_nothing():
+    for fail in (False, True):
+        conn = DictConnector(asynchronous=True)
+        m = make(num_blocks=16, connector=conn)
+        toks = list(range(13))
+        offloaded(m, conn, toks)
+        ctx = TextContext("b", toks)
+        m.claim(ctx)
+        t = m.alloc(ctx)
+        m.release(ctx)
+        assert m.pending_transfers_exist() and m.block_count().used == 3  # pinned
+        check_invariants(m)
+        t.fail = fail
+        t.land()
+        m.poll_transfers()
+        assert not m.pending_transfers_exist() and m.block_count().used == 0
+        hits = m.get_prefix_cache_hit_counts(TextContext("p", toks))[0].device_blocks
+        assert hits == (0 if fail else 3)
+        check_invariants(m)
+
+
+def test_offload_sources_pinned_until_complete_and_survive_reset():
+    conn = DictConnector(offload_async=True)
+    m = make(num_blocks=16, connector=conn)
+    ctx = TextContext("a", list(range(9)))
+    m.claim(ctx)
+    m.alloc(ctx)
+    forward(m, ctx)
+    m.release(ctx)
+    assert not m.pending_transfers_exist()  # queued, not posted
+    m.runtime_inputs([[]])  # posts the queued offloads
+    assert m.pending_transfers_exist()
+    assert m.block_count().used == 2
+    m.reset_prefix_cache()  # pinned pages stay published
+    assert m.get_prefix_cache_hit_counts(TextContext("p", list(range(9))))[0].device_blocks == 2
+    conn.land_all()
+    assert m.pending_transfers_exist()
+    m.poll_transfers()
+    assert not m.pending_transfers_exist() and m.block_count().used == 0
+    assert len(conn.store) == 2
+    check_invariants(m)
+
+
+def test_offload_truncates_at_the_first_evicted_hash():
+    conn = DictConnector()
+    m = make(num_blocks=16, connector=conn)
+    ctx = TextContext("a", list(range(13)))
+    m.claim(ctx)
+    m.alloc(ctx)
+    forward(m, ctx)
+    m.release(ctx)
+    pool = m._pools[0]["full"]
+    h1 = block_hashes(list(range(13)), PAGE)[1]
+    pool._unpublish(pool.hash_to_block[h1])
+    m.poll_transfers()
+    assert len(conn.store) == 1
+
+
+def test_deferred_lookup_flow():
+    conn = DictConnector()
+    m = make(num_blocks=16, connector=conn)
+    toks = list(range(13))
+    offloaded(m, conn, toks)
+    ctx = TextContext("b", toks)
+    m.claim(ctx)
+    asked = conn.lookups
+    assert m.starts_lookup(ctx) is True and conn.lookups == asked  # starts_lookup does not ask
+    assert isinstance(m.alloc(ctx, defer_lookup=True), CompletedTransfer)
+    assert ctx.processed_length == 0 and len(m.get_req_blocks_per_leaf(ctx)["full"]) == 4
+    assert not m.awaits_lookup(ctx) and m.starts_lookup(ctx)
+    used = m.block_count().used
+    assert m.start_lookup(ctx) is True and m.awaits_lookup(ctx)
+    assert m.block_count().used == used  # a lookup reserves nothing
+    assert m.start_lookup(ctx) is False  # one outstanding at a time
+    m.alloc(ctx)
+    assert not m.awaits_lookup(ctx)
+    assert ctx.processed_length == 12 and ctx.cached_prefix_external_length == 12
+    assert m.get_metrics_aggregated().input_tokens == 13 + 1  # warm-up 13; b's forward counted once, after the skip
+    assert_kv_correct(m, ctx)
+    check_invariants(m)
+
+
+def test_hand_back_lookup_is_always_safe():
+    conn = DictConnector()
+    m = make(num_blocks=16, connector=conn)
+    toks = list(range(13))
+    offloaded(m, conn, toks)
+    ctx = TextContext("b", toks)
+    m.claim(ctx)
+    m.alloc(ctx, defer_lookup=True)
+    m.start_lookup(ctx)
+    assert m.hand_back_lookup(ctx) is True and not m.awaits_lookup(ctx)
+    assert m.hand_back_lookup(ctx) is False
+    m.alloc(ctx)
+    assert ctx.processed_length == 0  # no load for this admission
+    forward(m, ctx)
+    check_invariants(m)
+    m.release(ctx)
+    # fresh request: lookup before any alloc, then alloc uses it
+    c = TextContext("c", list(range(13)) + [1])
+    evict_device(m)
+    m.claim(c)
+    assert m.start_lookup(c) is True
+    m.alloc(c)
+    assert c.cached_prefix_external_length == 12
+
+
+def test_shutdown_posts_queued_offloads_and_waits():
+    conn = DictConnector(offload_async=True)
+    m = make(num_blocks=16, connector=conn)
+    ctx = TextContext("a", list(range(9)))
+    m.claim(ctx)
+    m.alloc(ctx)
+    forward(m, ctx)
+    m.shutdown()
+    assert len(conn.store) == 2 and not m.pending_transfers_exist()
+
+
+def test_default_connector_is_tiered_when_params_ask_for_tiers():
+    from kvref import TieredConnector
+
+    params = KVCacheParams(page_size=PAGE, num_layers=2, kv_heads=1, head_dim=2, dtype="float32",
+                           host_offload_bytes=64 * 1024)
+    m = PagedKVCacheManager(params, num_blocks=16, max_batch_size=4, max_seq_len=64)
+    assert isinstance(m._connector, TieredConnector)
+    assert m.host_byte_count().total > 0
+    toks = list(range(13))
+    ctx = TextContext("a", toks)
+    m.claim(ctx)
+    m.alloc(ctx)
+    forward(m, ctx)
+    m.release(ctx)
+    m.poll_transfers()
+    for off in list(m._offloads):
+        off.handle.synchronize()
+    m.poll_transfers()
+    evict_device(m)
+    b = TextContext("b", toks)
+    assert m.get_prefix_cache_hit_counts(b) == [PrefixCacheHits(0, 3)]
+    m.claim(b)
+    t = m.alloc(b)
+    t.synchronize()
+    m.poll_transfers()
+    assert b.cached_prefix_external_length == 12
+    assert_kv_correct(m, b)
+    check_invariants(m)
+    m.shutdown()
