@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import doctest
 import hashlib
+import re
 import socket
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -409,6 +411,22 @@ def test_two_processes_share_blocks_byte_identical(redis_server, tmp_path):
     assert run("B") == 6
     a, b = (tmp_path / "A.bin").read_bytes(), (tmp_path / "B.bin").read_bytes()
     assert len(a) == 6 * PAGE_BYTES and a == b
+
+
+def test_docs_two_process_demo_runs(redis_server, tmp_path):
+    """The script of docs/remote-tier.md, as printed there, in two processes."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "remote-tier.md").read_text()
+    (script,) = re.findall(r"Save this as `share.py`:\n\n```python\n(.*?)```", page, re.S)
+    (tmp_path / "share.py").write_text(script)
+
+    def run(role: str) -> str:
+        out = subprocess.run([sys.executable, "share.py", role, redis_server.url], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    assert "A stored 8 blocks" in run("A")
+    assert "B hit 8 of 8 blocks; K/V byte-identical to A's: True" in run("B")
 
 
 def test_geometry_and_algorithm_isolation(redis_server):
