@@ -551,3 +551,98 @@ def test_sigkilled_writer_leaves_only_verified_blocks(tmp_path, params):
     assert conn.tier_stats().files_rejected == 0  # rename is atomic: no torn block under a final name
     assert not list(root.glob("??/.*.tmp"))
     conn.shutdown()
+
+
+# --------------------------------------------------------------------------- end to end through the manager
+
+
+def _manager(tmp_path, *, host_pages=1, num_blocks=6, connector=None, **kw):
+    from kvref import PagedKVCacheManager
+
+    p = make_params()
+    file_bytes = header_len(PS) + p.page_bytes()
+    p = make_params(
+        host_offload_bytes=host_pages * p.page_bytes(), disk_offload_bytes=32 * file_bytes,
+        disk_offload_dir=str(tmp_path / "kv"), **kw,
+    )
+    return PagedKVCacheManager(p, num_blocks=num_blocks, max_batch_size=4, max_seq_len=64, connector=connector), p
+
+
+def _published_pages_hold_their_kv(m, registry) -> None:
+    from _fault_connector import kv_values
+
+    pool = m._pools[0]["full"]
+    buf = m.get_device_buffer(0)
+    for b, h in enumerate(pool.block_hash):
+        if h is None:
+            continue
+        i = registry[h]
+        toks = pool.block_tokens[b]
+        want = kv_values(toks, np.arange(i * PS, (i + 1) * PS), buf.shape[1:], buf.dtype)
+        assert np.array_equal(buf[b].transpose(2, 0, 1, 3, 4), want), f"page {b} (block {i}) K/V differ"
+
+
+def test_end_to_end_device_host_disk_device(tmp_path):
+    from _fault_connector import kv_values, run_request, settle_manager
+
+    from kvref import TextContext
+
+    m, p = _manager(tmp_path, host_pages=1)
+    assert type(m._connector).__name__ == "TieredConnector"  # built from the params' tier sizes
+    a = np.arange(100, 113, dtype=np.int32)  # 13 tokens: 3 full hashed blocks
+    ca, cb = TextContext("a", a), TextContext("b", np.arange(500, 517, dtype=np.int32))
+    run_request(m, ca)
+    settle_manager(m)
+    assert m.disk_byte_count().used == 3 * (header_len(PS) + p.page_bytes())
+    assert m.host_byte_count().used == p.page_bytes()
+    run_request(m, cb)  # evicts a's pages from the device
+    settle_manager(m)
+    ctx = TextContext("a2", a)
+    hits = m.get_prefix_cache_hit_counts(ctx)
+    assert (hits[0].device_blocks, hits[0].external_blocks) == (0, 3)
+    m.take_metrics_aggregated()
+    m.claim(ctx)
+    m.alloc(ctx).synchronize()
+    assert (ctx.cached_prefix_length, ctx.cached_prefix_external_length) == (12, 12)
+    m.poll_transfers()  # lands and publishes
+    row = m.get_req_blocks_per_leaf(ctx)["full"]
+    buf = m.get_device_buffer(0)
+    for i in range(3):
+        want = kv_values(a[i * PS : (i + 1) * PS], np.arange(i * PS, (i + 1) * PS), buf.shape[1:], buf.dtype)
+        assert np.array_equal(buf[row[i]].transpose(2, 0, 1, 3, 4), want)
+    met = m.get_metrics_aggregated()
+    assert met.h2d_bytes_copied == 3 * p.page_bytes()
+    assert met.disk_bytes_read >= 2 * (header_len(PS) + p.page_bytes())  # host held at most one
+    assert met.external_blocks_served == 3 and met.cache_tokens == 12
+    registry = {h: i for c in (ca, cb) for i, h in enumerate(block_hashes(c.tokens, PS))}
+    _published_pages_hold_their_kv(m, registry)
+    m.check_invariants()
+    m.release(ctx)
+    m.shutdown()
+
+
+def test_end_to_end_restarted_manager_hits(tmp_path):
+    from _fault_connector import kv_values, run_request
+
+    from kvref import TextContext
+
+    m, p = _manager(tmp_path, host_pages=4)
+    a = np.arange(7, 7 + 17, dtype=np.int32)  # 4 full blocks
+    run_request(m, TextContext("a", a), decode_steps=3)
+    m.shutdown()  # posts the queued offloads, waits, closes; the directory stays
+
+    m2, _ = _manager(tmp_path, host_pages=4)
+    ctx = TextContext("again", a)
+    assert m2.get_prefix_cache_hit_counts(ctx)[0].external_blocks == 4
+    m2.claim(ctx)
+    m2.alloc(ctx).synchronize()
+    m2.poll_transfers()
+    assert ctx.cached_prefix_external_length == 16
+    row = m2.get_req_blocks_per_leaf(ctx)["full"]
+    buf = m2.get_device_buffer(0)
+    for i in range(4):
+        want = kv_values(a[i * PS : (i + 1) * PS], np.arange(i * PS, (i + 1) * PS), buf.shape[1:], buf.dtype)
+        assert np.array_equal(buf[row[i]].transpose(2, 0, 1, 3, 4), want)
+    m2.check_invariants()
+    m2.release(ctx)
+    m2.shutdown()
