@@ -9,6 +9,7 @@ parametrized over both:
   (``url`` is ``redis+cluster://127.0.0.1:port``).
 
 Both have ``kill()`` (SIGKILL every process; the ports stay reserved),
+``pause()``/``resume()`` (SIGSTOP/SIGCONT: a hung server),
 ``restart()`` (the same ports again; a cluster node rejoins from its
 ``nodes.conf``), ``flush()`` and ``raw()`` (a plain redis-py client for
 writing bad bytes). Nothing is persisted: a restarted server starts empty.
@@ -107,6 +108,10 @@ class _Server:
                 raise RuntimeError(f"redis-server on port {self.port} did not start:\n{tail}")
             time.sleep(0.01)
 
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
@@ -142,6 +147,13 @@ class RedisNode:
 
     def kill(self) -> None:
         self._server.kill()
+
+    def pause(self) -> None:
+        """SIGSTOP: connections are accepted by the kernel, nothing is answered."""
+        self._server.signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._server.signal(signal.SIGCONT)
 
     def restart(self) -> None:
         self._server.kill()
@@ -229,6 +241,15 @@ class RedisClusterNodes:
     def kill(self) -> None:
         for s in self._servers:
             s.kill()
+
+    def pause(self) -> None:
+        """SIGSTOP every node (keep it shorter than the 5 s cluster-node-timeout)."""
+        for s in self._servers:
+            s.signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        for s in self._servers:
+            s.signal(signal.SIGCONT)
 
     def restart(self) -> None:
         """Kill and start every node on its port; they rejoin from ``nodes.conf``."""

@@ -623,6 +623,31 @@ def test_cluster_lookups_independent_of_slot_placement(redis_server):
     assert t.metrics.errors == 0
 
 
+def test_hung_store_mid_run_is_a_miss_then_recovers(redis_server):
+    """A live server stops answering (SIGSTOP) while connected: calls return
+    misses within the bound, then hits resume once it answers again."""
+    t = make_tier(redis_server.url, timeout_s=0.5, reconnect_interval_s=1.0)
+    hashes, rows = chain(4, seed=300)
+    data = [payload_for(h) for h in hashes]
+    more, more_rows = chain(2, seed=301)
+    assert t.put_many(hashes, rows, data) == 4 and t.lookup(hashes) == 4
+    redis_server.pause()
+    try:
+        assert t.lookup(hashes) == 0  # times out once; the tier pauses its I/O
+        with pytest.raises(KVLoadRefused, match=r"unreachable or slower than timeout_s=0.5"):
+            t.get_many(hashes, rows)
+        assert t.put_many(more, more_rows, [payload_for(h) for h in more]) == 0
+        assert not t.connected
+    finally:
+        redis_server.resume()
+    time.sleep(1.05)  # past reconnect_interval_s
+    assert t.lookup(hashes) == 4
+    assert t.get_many(hashes, rows) == data
+    m = t.metrics
+    assert (m.errors, m.loads_failed, m.offloads_dropped, m.connects) == (1, 1, 2, 2)
+    assert "Timeout" in t.last_error or "timed out" in t.last_error
+
+
 # --------------------------------------------------------------------------- a store that dies and returns
 
 
