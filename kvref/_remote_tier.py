@@ -131,7 +131,10 @@ def _geometry_fields(geometry: KVCacheParams | Mapping[str, Any], leaf_id: str) 
         if missing:
             raise ValueError(f"{o}: geometry missing {missing}, needs {[*_GEOMETRY_FIELDS, 'dtype']}")
         values = {f: check_int(o, f"geometry[{f!r}]", geometry[f], low=1) for f in _GEOMETRY_FIELDS}
-        name = dtype_name(geometry["dtype"]) if not isinstance(geometry["dtype"], str) else geometry["dtype"]
+        try:
+            name = dtype_name(geometry["dtype"])
+        except TypeError:
+            name = None
         if name not in KV_DTYPES:
             raise ValueError(f"{o}: geometry['dtype']={geometry['dtype']!r}, must be one of {sorted(KV_DTYPES)}")
         values["dtype"] = name

@@ -132,6 +132,8 @@ def test_bind_errors_and_rebind():
         t.bind({**GEO, "num_layers": 2.0}, "sha256")
     with pytest.raises(ValueError, match=r"geometry\['dtype'\]='int8', must be one of"):
         t.bind({**GEO, "dtype": "int8"}, "sha256")
+    with pytest.raises(ValueError, match=r"geometry\['dtype'\]=5, must be one of"):
+        t.bind({**GEO, "dtype": 5}, "sha256")
     with pytest.raises(TypeError, match=r"geometry=\[1, 2\], must be KVCacheParams or a mapping"):
         t.bind([1, 2], "sha256")
     with pytest.raises(ValueError, match=r"leaf_id=''"):
