@@ -545,3 +545,16 @@ def test_check_invariants_detects_shared_block_in_write_set():
     cache._write_sets[1] = frozenset({1})
     with pytest.raises(AssertionError, match="block 1 in slot 1's write set is shared"):
         cache.check_invariants()
+
+
+def test_hashing_golden_examples():
+    """spec/hashing.md §5: the pinned bytes of the chain."""
+    assert root_hash(0).hex() == "b6fe50ca9f013d96b8bfd121942e5edaf18bc64e2ff84e1bd0dd2159f1a72fe2"
+    assert [h.hex() for h in block_hashes(list(range(8)), 4, "sha256")] == [
+        "fcc86031e044bad34b9294f43376bac2a4b3d9708a85ee771b18ab01a0413e80",
+        "18a2b45fe34860434c74773e049d480d9ffcae1fc67ea4a1fed5fd274ad44b06",
+    ]
+    assert [h.hex() for h in block_hashes(list(range(8)), 4, "xxh3_128")] == [
+        "58b240359cf3f5d4e369909e5c231ee7",
+        "89234ddc7a25c553fdefc77e1e6dc37f",
+    ]
