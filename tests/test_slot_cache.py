@@ -558,3 +558,17 @@ def test_hashing_golden_examples():
         "58b240359cf3f5d4e369909e5c231ee7",
         "89234ddc7a25c553fdefc77e1e6dc37f",
     ]
+
+
+def test_docs_examples_run():
+    """docs/slot-cache.md: its Python blocks run as written, in order."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "slot-cache.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) >= 2
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, "docs/slot-cache.md", "exec"), namespace)
+    assert namespace["hit"] == 8
