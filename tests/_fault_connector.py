@@ -120,6 +120,8 @@ class FaultConnector:
         self._refuse_next_lookup = False
         self._open: list[GatedTransfer] = []
         self.injected: list[str] = []
+        # a refusal is the connector's counter (connector_loads_refused): count ours too
+        self._own = KVCacheMetrics()
 
     # -- arming
     def arm(self, fault: str) -> None:
@@ -179,6 +181,7 @@ class FaultConnector:
         if fault is not None:
             self.injected.append(fault)
         if fault == "refuse" and len(block_ids):
+            self._own.connector_loads_refused += 1
             raise KVLoadRefused(f"FaultConnector: injected refusal of {len(block_ids)} blocks")
         if fault == "fail_post" and len(block_ids):
             raise KVLoadFailed(f"FaultConnector: injected failure at post of {len(block_ids)} blocks")
@@ -218,10 +221,11 @@ class FaultConnector:
 
     @property
     def metrics(self) -> KVCacheMetrics:
-        return self.inner.metrics
+        return self.inner.metrics + self._own
 
     def take_metrics(self) -> KVCacheMetrics:
-        return self.inner.take_metrics()
+        out, self._own = self.inner.take_metrics() + self._own, KVCacheMetrics()
+        return out
 
 
 def next_token(tokens: np.ndarray, vocab: int = 1000) -> int:
@@ -229,15 +233,20 @@ def next_token(tokens: np.ndarray, vocab: int = 1000) -> int:
     return int((int(np.sum(tokens, dtype=np.int64)) * 7 + len(tokens)) % vocab)
 
 
-def settle_manager(manager, replica_idx: int = 0, timeout: float = 30.0) -> None:
-    """Poll until nothing of the replica is pinned by a transfer."""
+def settle_manager(manager, replica_idx: int = 0, timeout: float = 30.0, land=None) -> None:
+    """Poll until nothing of the replica is pinned by a transfer; ``land``
+    (e.g. ``FaultConnector.land``) is called before every poll, since a poll
+    may post new (gated) offloads."""
     deadline = time.monotonic() + timeout
-    manager.poll_transfers()
-    while manager.pending_transfers_exist(replica_idx):
+    while True:
+        if land is not None:
+            land()
+        manager.poll_transfers()
+        if not manager.pending_transfers_exist(replica_idx):
+            return
         if time.monotonic() > deadline:
             raise AssertionError("transfers never settled")
         time.sleep(0.001)
-        manager.poll_transfers()
 
 
 def run_request(manager, ctx, decode_steps: int = 0, *, replica_idx: int = 0, release: bool = True):
