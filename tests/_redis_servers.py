@@ -20,6 +20,7 @@ exists (``.ci/run`` installs the Debian package ``redis-server``).
 
 from __future__ import annotations
 
+import atexit
 import shutil
 import signal
 import socket
@@ -36,6 +37,15 @@ NO_REDIS_REASON = (
 )
 
 _START_TIMEOUT_S = 10.0
+_ATTEMPTS = 3  # a free port can be taken by another process before redis-server binds it
+_RUNNING: set["_Server"] = set()
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    """Kill servers a crashed test left running (fixtures normally stop them)."""
+    for server in list(_RUNNING):
+        server.kill()
 
 
 def free_port() -> int:
@@ -100,6 +110,7 @@ class _Server:
         log = open(self.dir / "redis.log", "ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()
+        _RUNNING.add(self)
         deadline = time.monotonic() + _START_TIMEOUT_S
         while not _ping(self.port):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -117,6 +128,7 @@ class _Server:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(timeout=10)
         self.proc = None
+        _RUNNING.discard(self)
 
 
 class RedisNode:
@@ -125,11 +137,16 @@ class RedisNode:
     kind = "single"
 
     def __init__(self, workdir: Path, port: int | None = None):
-        if port is None:
-            (port,) = _free_ports(1)
-        self._server = _Server(port, Path(workdir) / f"node-{port}", [])
-        self._server.start()
-        self.ports = [port]
+        for attempt in range(1 if port is not None else _ATTEMPTS):
+            p = port if port is not None else _free_ports(1)[0]
+            self._server = _Server(p, Path(workdir) / f"node-{p}", [])
+            try:
+                self._server.start()
+                break
+            except RuntimeError:
+                if port is not None or attempt == _ATTEMPTS - 1:
+                    raise
+        self.ports = [p]
 
     @property
     def url(self) -> str:
@@ -274,7 +291,12 @@ def start(kind: str, workdir: Path):
     if kind == "single":
         return RedisNode(workdir)
     if kind == "cluster":
-        return RedisClusterNodes(workdir)
+        for attempt in range(_ATTEMPTS):
+            try:
+                return RedisClusterNodes(Path(workdir) / f"attempt-{attempt}")
+            except (RuntimeError, subprocess.CalledProcessError):
+                if attempt == _ATTEMPTS - 1:
+                    raise
     raise ValueError(f"start: kind={kind!r}, must be 'single' or 'cluster'")
 
 
