@@ -1,0 +1,23 @@
+"""Bug: the prompt's last token counts toward a prefix hit, so a prompt made
+of whole published blocks is a 100% hit and nothing is left to compute.
+
+Slot cache: ``admit`` with the default cap uses ``len(prompt)`` instead of
+``len(prompt) - 1``.
+"""
+
+import numpy as np
+
+from kvref import KVCache
+
+from ._common import backend_like_kvref
+
+
+class LastTokenCache(KVCache):
+    def admit(self, batch_idx, prompt_ids, addressable_len=-1):
+        if isinstance(addressable_len, int) and addressable_len == -1:
+            addressable_len = int(np.asarray(prompt_ids).shape[0]) if np.ndim(prompt_ids) == 1 else -1
+        return super().admit(batch_idx, prompt_ids, addressable_len)
+
+
+def factory():
+    return backend_like_kvref("broken-last-token-hashed", cache_cls=LastTokenCache)
