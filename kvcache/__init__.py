@@ -5,7 +5,8 @@ with a continuous-batching scheduler over a workload and reports prefix hit
 rates against the infinite-cache ceiling, block use, preemptions and tier
 traffic. The same pieces are importable:
 
-* :func:`replay` with :class:`ReplayConfig` -> :class:`ReplayStats`;
+* :func:`kvcache.replay.replay` with :class:`ReplayConfig` -> :class:`ReplayStats`
+  (the module ``kvcache.replay`` keeps its name: the function is not re-exported);
 * workloads: :func:`synthetic_workload`, :func:`read_mooncake_trace`
   (:class:`Request`);
 * :func:`infinite_cache_ceiling` (:class:`Ceiling`);
@@ -15,7 +16,7 @@ traffic. The same pieces are importable:
 from __future__ import annotations
 
 from .ceiling import Ceiling, infinite_cache_ceiling
-from .replay import ReplayConfig, ReplayError, ReplayStats, replay
+from .replay import ReplayConfig, ReplayError, ReplayStats
 from .workload import Request, WorkloadError, read_mooncake_trace, synthetic_workload
 
 __version__ = "0.1.0"
@@ -29,6 +30,5 @@ __all__ = [
     "WorkloadError",
     "infinite_cache_ceiling",
     "read_mooncake_trace",
-    "replay",
     "synthetic_workload",
 ]

@@ -494,7 +494,7 @@ class _Loop:
                 i += 1
                 continue
             if not self._alloc_running(live):
-                continue  # live itself was preempted; self.running shrank at i
+                continue  # live left the running set; self.running shrank at i
             if live.failed_load:
                 live.failed_load = False
                 self._settle_hit(live)
@@ -504,16 +504,27 @@ class _Loop:
 
     def _alloc_running(self, live: _Live) -> bool:
         """``alloc`` a running request, preempting the youngest of its replica until
-        it fits; False if it had to preempt itself."""
+        it fits; False if it left the running set (preempted itself, or cordoned)."""
         while True:
             try:
-                self.call("alloc", live.ctx)
-                return True
+                transfer = self.call("alloc", live.ctx)
+                break
             except InsufficientBlocksError:
                 victim = next(v for v in reversed(self.running) if v.replica == live.replica)
                 self._preempt(victim)
                 if victim is live:
                     return False
+        if transfer is not None and not transfer.is_complete():
+            self.running.remove(live)
+            self._cordon(live, transfer)
+            return False
+        return True
+
+    def _cordon(self, live: _Live, transfer) -> None:
+        # Spec (manager-semantics §9): an onload in flight keeps the request out of
+        # the batch (its pages stay pinned) until the transfer completes.
+        live.transfer = transfer
+        self.cordoned.append(live)
 
     def _preempt(self, live: _Live) -> None:
         # Spec (manager-semantics §9): preemption = release + ctx.reset() + front of the queue.
@@ -546,9 +557,7 @@ class _Loop:
             if not live.recorded:
                 self._settle_hit(live)
             if transfer is not None and not transfer.is_complete():
-                # Spec (manager-semantics §9): an onload in flight cordons the request.
-                live.transfer = transfer
-                self.cordoned.append(live)
+                self._cordon(live, transfer)
                 continue
             self.running.append(live)
             budget = self._take(live, batches, budget)
