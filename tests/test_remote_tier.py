@@ -347,6 +347,31 @@ def test_round_trip_and_leading_run(redis_server):
     t.close()
 
 
+def test_value_layout_matches_spec_table(redis_server):
+    """spec/remote-tier.md §2, byte for byte."""
+    import struct
+
+    import xxhash
+
+    t = make_tier(redis_server.url)
+    hashes, rows = chain(1, seed=11)
+    payload = payload_for(hashes[0])
+    assert t.put_many(hashes, rows, [payload]) == 1
+    with redis_server.raw() as raw:
+        value = raw.get(t.key_for(hashes[0]))
+    d, p = 32, 4
+    assert len(value) == 44 + d + 4 * p + PAGE_BYTES
+    assert value[0:4] == MAGIC == b"KVRT"
+    assert struct.unpack_from("<HBB", value, 4) == (FORMAT_VERSION, 1, d)
+    assert value[8:16] == geometry_digest(GEO)
+    assert struct.unpack_from("<IQ", value, 16) == (p, PAGE_BYTES)
+    assert value[28 : 28 + d] == hashes[0]
+    assert value[28 + d : 28 + d + 4 * p] == rows[0].astype("<i4").tobytes()
+    head = 28 + d + 4 * p
+    assert value[head : head + 16] == xxhash.xxh3_128(value[:head] + payload).digest()
+    assert value[head + 16 :] == payload
+
+
 def test_array_payloads_in_c_order(redis_server):
     params = KVCacheParams(page_size=4, num_layers=2, kv_heads=2, head_dim=8, dtype="bfloat16")
     t = make_tier(redis_server.url, params, None)
