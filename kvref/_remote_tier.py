@@ -159,12 +159,18 @@ def geometry_digest(geometry: KVCacheParams | Mapping[str, Any], leaf_id: str = 
 # --------------------------------------------------------------------------- url
 
 
+def _mask_password(url: str) -> str:
+    """``redis://user:secret@host`` -> ``redis://user:***@host``."""
+    return re.sub(r"(//[^/@]*?:)[^/@]*@", r"\1***@", url)
+
+
 def _parse_url(url: str) -> dict[str, Any]:
     """``redis://[user:pw@]host[:port][/db]`` or ``redis+cluster://[user:pw@]host[:port]``."""
     o = "RemoteTier"
     if not isinstance(url, str):
         raise TypeError(f"{o}: url={url!r}, must be a str")
-    parts = urlsplit(url)
+    raw, url = url, _mask_password(url)  # messages never carry a password
+    parts = urlsplit(raw)
     if parts.scheme not in ("redis", "redis+cluster"):
         raise ValueError(f"{o}: url={url!r} scheme={parts.scheme!r}, must be 'redis' or 'redis+cluster'")
     if not parts.hostname:
@@ -230,6 +236,14 @@ class RemoteTier:
         After a transport error, no call talks to the store for this long
         (>= 0); the next call after it reconnects.
 
+    Raises
+    ------
+    TypeError, ValueError
+        A malformed URL (the message shows it with any password masked),
+        namespace or number.
+    ImportError
+        redis-py is not installed (``pip install "kvcache[remote]"``).
+
     Notes
     -----
     Construction does no I/O: an unreachable store at start is a miss, not an
@@ -270,7 +284,7 @@ class RemoteTier:
         reconnect_interval_s = self._check_seconds(o, "reconnect_interval_s", reconnect_interval_s, allow_zero=True)
         import redis  # noqa: F401  (fail at construction, not at the first call, when the extra is missing)
 
-        self._url = url
+        self._url = _mask_password(url)
         self._target = target
         self._namespace = namespace
         self._ttl_ms = None if ttl_s is None else max(1, math.ceil(ttl_s * 1000))
@@ -305,6 +319,7 @@ class RemoteTier:
 
     @property
     def url(self) -> str:
+        """The URL given, with any password masked (``***``)."""
         return self._url
 
     @property

@@ -111,9 +111,13 @@ def test_constructor_errors():
 
 def test_url_forms():
     t = RemoteTier("redis://:secret@localhost")
-    assert (t.is_cluster, t.url) == (False, "redis://:secret@localhost")
+    assert (t.is_cluster, t.url) == (False, "redis://:***@localhost")
     assert "secret" not in repr(t)
     assert "redis://localhost:6379/0" in repr(t)
+    assert RemoteTier("redis://user:p%40ss@h:7/3").url == "redis://user:***@h:7/3"
+    with pytest.raises(ValueError, match=r"url='redis://u:\*\*\*@h:1/x' db='x'") as info:
+        RemoteTier("redis://u:hunter2@h:1/x")
+    assert "hunter2" not in str(info.value)
     assert RemoteTier("redis+cluster://10.0.0.1:7000").is_cluster
     assert RemoteTier("redis+cluster://10.0.0.1:7000/0").is_cluster
 
