@@ -390,6 +390,18 @@ def test_array_payloads_in_c_order(redis_server):
     t.close()
 
 
+def test_xxh3_128_round_trip(redis_server):
+    t = make_tier(redis_server.url, algo="xxh3_128")
+    hashes, rows = chain(3, seed=12, algo="xxh3_128")
+    assert {len(h) for h in hashes} == {16}
+    data = [payload_for(h) for h in hashes]
+    assert t.put_many(hashes, rows, data) == 3
+    assert t.lookup(hashes) == 3 and t.get_many(hashes, rows) == data
+    assert t.key_for(hashes[0]).startswith("kvcache:xxh3_128:")
+    with pytest.raises(ValueError, match=r"hashes\[0\] length=32, must be 16 \(xxh3_128\)"):
+        t.lookup([bytes(32)])
+
+
 def test_set_nx_first_writer_wins(redis_server):
     a, b = make_tier(redis_server.url), make_tier(redis_server.url)
     hashes, rows = chain(1, seed=4)
