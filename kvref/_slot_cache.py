@@ -836,7 +836,7 @@ class KVCache:
             Non-integer arguments.
         ValueError
             ``addressable_len`` out of bounds, or ``full_token_ids`` disagree
-            with the tokens of the slot's adopted blocks. State is unchanged.
+            with an adopted block that would be published. State is unchanged.
         """
         api = "retire"
         self._require_paged(api)
@@ -853,10 +853,8 @@ class KVCache:
             raise ValueError(f"{api}: addressable_len={addr} > len(full_token_ids)={n}")
         a = min(n, seq) if addr == -1 else addr
         P = self._config.block_size
-        nshared = int(self._nshared[b])
-        if n < nshared * P:
-            raise ValueError(f"{api}: len(full_token_ids)={n} < adopted prefix={nshared * P} of slot {b}")
-        for col in range(nshared):
+        n_pub = a // P if self._config.enable_prefix_caching else 0
+        for col in range(min(int(self._nshared[b]), n_pub)):
             # Spec §4.2: the adopted prefix is fixed; tokens that contradict it would publish a false chain.
             stored = self._pool.block_tokens[int(self._table[b, col])]
             mine = tokens[col * P : (col + 1) * P]
@@ -864,7 +862,6 @@ class KVCache:
             if diff.size:
                 j = col * P + int(diff[0])
                 raise ValueError(f"{api}: full_token_ids[{j}]={mine[diff[0]]} but adopted block {col} holds {stored[diff[0]]}")
-        n_pub = a // P if self._config.enable_prefix_caching else 0
         hashes = self._chain(tokens, n_pub)
         # ---- commit (nothing below can fail)
         parent = root_hash(self._config.hash_seed)  # Spec §4.1: the slot cache's chain has no salt

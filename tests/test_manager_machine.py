@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvref import PagedKVCacheManager
-from kvspec import InsufficientBlocksError, KVCacheParams, LeafSpec, TextContext
+from kvspec import InsufficientBlocksError, KVCacheParams, KVLoadFailed, LeafSpec, TextContext
 
 PAGE = 2
 WINDOW = 3
@@ -124,11 +124,12 @@ class ManagerMachine(RuleBasedStateMachine):
         if admit:
             self._alloc(ctx)
 
-    def _alloc(self, ctx) -> bool:
+    def _alloc(self, ctx, defer_lookup: bool = False) -> bool:
+        """alloc; True when the request may run its forward now."""
         before = self._fingerprint(ctx)
-        note(f"m.alloc({ctx.request_id!r})")
+        note(f"m.alloc({ctx.request_id!r}, defer_lookup={defer_lookup})")
         try:
-            self.m.alloc(ctx)
+            transfer = self.m.alloc(ctx, defer_lookup=defer_lookup)
         except InsufficientBlocksError:
             assert self._fingerprint(ctx) == before
             event("alloc: out of blocks, rolled back")
@@ -137,6 +138,13 @@ class ManagerMachine(RuleBasedStateMachine):
             event("alloc: prefix hit")
         assert self._covered(ctx)
         assert ctx.active_length >= 1
+        try:
+            landed = transfer.is_complete()
+        except KVLoadFailed:
+            landed = False  # the next alloc sees the failure and re-splices
+        if not landed:
+            event("alloc: load in flight, request cordoned")
+            return False
         self._check_kv(ctx)
         return True
 
@@ -286,3 +294,94 @@ class FullOnlyMachine(ManagerMachine):
 
 FullOnlyMachine.TestCase.settings = settings(settings.default, stateful_step_count=60)
 TestFullOnlyMachine = FullOnlyMachine.TestCase
+
+
+class ConnectorMachine(FullOnlyMachine):
+    """The scheduler over a dict-backed connector with asynchronous, refused and failing transfers.
+
+    Checks after every rule that pages never leak (pool invariants with pins),
+    never publish before landing, and that every page read back holds the
+    K/V its tokens produce (a load that served other bytes fails the K/V check).
+    """
+
+    def __init__(self):
+        RuleBasedStateMachine.__init__(self)
+        from test_manager import DictConnector
+
+        self.conn = DictConnector(asynchronous=True, offload_async=True)
+        params = KVCacheParams(page_size=PAGE, num_layers=1, kv_heads=1, head_dim=1, dtype="float32",
+                               data_parallel_degree=2)
+        self.m = PagedKVCacheManager(params, num_blocks=10, max_batch_size=3, max_seq_len=MAX_SEQ,
+                                     connector=self.conn)
+        self.live, self.dummies, self.n, self.prompts = {}, {}, 0, []
+
+    def _pending(self):
+        return [h for h in self.conn.handles if not h.done and not h.fail]
+
+    @precondition(lambda self: self._pending())
+    @rule(data=st.data())
+    def land(self, data):
+        h = data.draw(st.sampled_from(self._pending()))
+        note("handle.land()")
+        h.land()
+
+    @precondition(lambda self: self.m._loads)
+    @rule(data=st.data())
+    def fail_a_load(self, data):
+        load = data.draw(st.sampled_from(self.m._loads))
+        note("load handle fails")
+        load.handle.fail = True
+
+    @rule(kind=st.sampled_from(["refuse", "fail_post", "fail_poll"]))
+    def inject(self, kind):
+        note(f"conn.{kind} = 1")
+        setattr(self.conn, kind, 1)
+
+    @rule()
+    def poll_transfers(self):
+        note("m.poll_transfers()")
+        self.m.poll_transfers()
+
+    @rule(dice=st.integers(0, 3))
+    def evict_device(self, dice):
+        """Device-only eviction of unreferenced pages, so prompts come back from the connector."""
+        if dice:
+            return
+        note("evict unreferenced device pages")
+        for pools in self.m._pools:
+            for pool in pools.values():
+                pool.reset_prefix_cache()
+
+    @precondition(lambda self: len(self.live) < 5)
+    @rule(data=st.data(), replica=st.integers(0, 1), hand_back=st.booleans())
+    def claim_deferred(self, data, replica, hand_back):
+        """claim, alloc(defer_lookup=True), start_lookup, then alloc or hand the lookup back."""
+        ctx = TextContext(self._new_id(), self._prompt(data))
+        note(f"m.claim(TextContext({ctx.request_id!r}, {ctx.tokens.tolist()}), {replica})")
+        self.m.claim(ctx, replica)
+        self.live[ctx.request_id] = ctx
+        self._alloc(ctx, defer_lookup=True)
+        if not self.m.contains(ctx) or not self.m.starts_lookup(ctx):
+            return
+        used = [self.m.block_count(r) for r in range(2)]
+        assert self.m.start_lookup(ctx) and self.m.awaits_lookup(ctx)
+        assert [self.m.block_count(r) for r in range(2)] == used  # a lookup reserves nothing
+        if hand_back:
+            assert self.m.hand_back_lookup(ctx)
+        self._alloc(ctx)
+        assert not self.m.awaits_lookup(ctx)
+
+    def teardown(self):
+        for ctx in list(self.live.values()) + list(self.dummies.values()):
+            self.m.release(ctx)
+        self.live.clear()
+        self.dummies.clear()
+        self.m.shutdown()
+        self.m.check_invariants()
+        for r in range(2):
+            assert not self.m.pending_transfers_exist(r)
+            assert self.m.block_count(r).used == 0, "pages leaked after every request was released"
+
+
+ConnectorMachine.TestCase.settings = settings(settings.default, stateful_step_count=60)
+TestConnectorMachine = ConnectorMachine.TestCase

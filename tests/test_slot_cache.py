@@ -572,3 +572,16 @@ def test_docs_examples_run():
     for block in blocks:
         exec(compile(block, "docs/slot-cache.md", "exec"), namespace)
     assert namespace["hit"] == 8
+
+
+def test_retire_with_fewer_tokens_than_adopted():
+    """spec/slot-cache.md §2.11: a shorter token list only limits what is published; the slot is freed."""
+    cache = make_cache(PAGED, max_seqs=2, block_size=4)
+    toks = list(range(9))
+    _prefill(cache, 0, toks, np.random.default_rng(0))
+    cache.retire(0, toks)
+    assert cache.admit(1, toks) == 8
+    index = dict(cache._pool.hash_to_block)
+    cache.retire(1, [])
+    assert cache.seq_lens()[1] == 0 and cache._pool.hash_to_block == index
+    cache.check_invariants()

@@ -131,7 +131,6 @@ CASES = [
     ("retire-addr-over-len", "paged", lambda c: c.retire(1, [1, 2, 3], addressable_len=4), ValueError, r"retire: addressable_len=4 > len\(full_token_ids\)=3"),
     ("retire-addr-neg", "paged", lambda c: c.retire(1, [1, 2, 3], addressable_len=-3), ValueError, r"retire: addressable_len=-3 < -1"),
     ("retire-float", "paged", lambda c: c.retire(1, np.ones(5)), TypeError, r"retire: full_token_ids dtype=float64"),
-    ("retire-short-of-adopted", "paged", lambda c: c.retire(0, list(range(7))), ValueError, r"retire: len\(full_token_ids\)=7 < adopted prefix=8 of slot 0"),
     ("retire-contradicts-adopted", "paged", lambda c: c.retire(0, [0, 1, 2, 3, 4, 99, 6, 7, 8, 9]), ValueError, r"retire: full_token_ids\[5\]=99 but adopted block 1 holds 5"),
 ]
 

@@ -49,12 +49,12 @@ class SlotCacheMachine(RuleBasedStateMachine):
         block_size=st.integers(2, 4),
         max_seqs=st.integers(2, 3),
         max_seq_len=st.integers(6, 12),
-        pool_extra=st.integers(0, 6),
+        pool_extra=st.sampled_from([0, 2, 5, 100]),  # tight pools evict, roomy ones keep hits
         hybrid=st.booleans(),
         cross=st.booleans(),
         window=st.integers(1, 4),
         dtype=st.sampled_from(["float32", "float16", "bfloat16"]),
-        prefix_caching=st.sampled_from([True, True, True, False]),
+        prefix_caching=st.sampled_from([True] * 7 + [False]),
         hash_algo=st.sampled_from(["sha256", "xxh3_128"]),
         num_state_checkpoints=st.sampled_from([None, 1, 2]),
         warm=st.lists(st.integers(0, VOCAB - 1), min_size=4, max_size=12),
@@ -315,12 +315,13 @@ class SlotCacheMachine(RuleBasedStateMachine):
         dt = self.cfg.np_dtype
         self.enc[s] = (k.astype(dt), v.astype(dt))
 
-    @precondition(lambda self: self.paged)
+    def empty_slots(self) -> list[int]:
+        return [i for i in range(self.cfg.max_seqs) if not (self.tokens[i] or self.dirty[i])]
+
+    @precondition(lambda self: self.paged and self.empty_slots())
     @rule(data=st.data())
     def admit(self, data):
-        empty = [i for i in range(self.cfg.max_seqs) if not (self.tokens[i] or self.dirty[i])]
-        s = data.draw(st.sampled_from(empty) if empty and data.draw(st.integers(0, 4), label="pick") else
-                      st.integers(0, self.cfg.max_seqs - 1), label="slot")
+        s = data.draw(st.sampled_from(self.empty_slots()), label="slot")
         base, cut = [], 0
         if self.history and data.draw(st.integers(0, 3), label="reuse"):
             # mostly extend a whole retired sequence, sometimes a prefix of one
@@ -330,10 +331,7 @@ class SlotCacheMachine(RuleBasedStateMachine):
         prompt = (base[:cut] + tail)[: self.cfg.max_seq_len] or [0]
         addr = data.draw(st.one_of(st.just(-1), st.integers(0, len(prompt) + 1)), label="addressable_len")
         note(f"cache.admit({s}, {prompt}, addressable_len={addr})")
-        call = lambda: self.cache.admit(s, prompt, addressable_len=addr)  # noqa: E731
-        if self.tokens[s] or self.dirty[s]:
-            return self.expect_raise(call, ValueError, "must be empty")
-        hit = call()
+        hit = self.cache.admit(s, prompt, addressable_len=addr)
         limit = len(prompt) - 1 if addr == -1 else min(addr, len(prompt))
         assert hit % self.P == 0 and 0 <= hit <= limit, f"hit={hit} limit={limit}"
         if not self.cfg.enable_prefix_caching:
@@ -392,9 +390,13 @@ class SlotCacheMachine(RuleBasedStateMachine):
         S = self.cfg.max_seqs
         s = data.draw(st.integers(0, S - 1), label="slot")
         seq = len(self.tokens[s])
-        kind = data.draw(st.sampled_from(["past", "dup", "slot", "kind"]), label="misuse")
+        kind = data.draw(st.sampled_from(["past", "dup", "slot", "kind", "admit"]), label="misuse")
         note(f"# misuse {kind} on slot {s}")
-        if kind == "past":
+        if kind == "admit" and self.paged and (self.tokens[s] or self.dirty[s]):
+            self.expect_raise(lambda: self.cache.admit(s, [1, 2, 3]), ValueError, "must be empty")
+        elif kind == "admit" and not self.paged:
+            self.expect_raise(lambda: self.cache.admit(s, [1, 2, 3]), RuntimeError, "needs PAGED")
+        elif kind == "past":
             self.expect_raise(lambda: self.cache.prepare_step([0, 1], [seq + 1], [s]), ValueError, "past_len[0]")
         elif kind == "dup":
             self.expect_raise(lambda: self.cache.prepare_step([0, 1, 2], [seq, seq], [s, s]), ValueError, "duplicates")

@@ -1,0 +1,327 @@
+"""kvfast against kvref, side by side (DESIGN §7, issue 5 "Done when").
+
+* The slot cache: the conformance state machine ``KVCacheComparison`` runs
+  ``kvfast.KVCache`` (+ ``kvfast.ops``) against ``kvref`` and compares, after
+  every rule, returned values / exceptions (type and message), ``seq_lens``,
+  block tables, the free order, stored K/V bytes, state slabs and cross planes.
+* The request manager: ``ManagerDiff`` below plays a scheduler against a
+  ``kvref`` and a ``kvfast`` manager at once (the fast path's configuration and
+  a two-replica, three-leaf one) and compares returned values, exceptions,
+  block ids per leaf, free orders, metrics, block counts, context fields,
+  runtime inputs and device buffers after every rule.
+
+GPU variants are marked ``gpu`` and skip without a device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, note, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+
+import kvfast
+import kvref
+from kvfast._backend import conformance_backend
+from kvspec import InsufficientBlocksError, KVCacheParams, LeafSpec, TextContext
+
+
+def _gpu_available() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+# --------------------------------------------------------------------------- slot cache
+
+
+def test_slot_cache_differential():
+    from kvspec.conformance.machine import KVCacheComparison
+
+    run_state_machine_as_test(KVCacheComparison.for_backend(conformance_backend()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_available(), reason="no CUDA device visible (CuPy absent or no GPU)")
+def test_slot_cache_differential_cuda():  # pragma: no cover - needs a GPU
+    import dataclasses
+
+    from kvspec.conformance.machine import KVCacheComparison
+
+    backend = dataclasses.replace(conformance_backend(), devices=("cuda:0",))
+    run_state_machine_as_test(KVCacheComparison.for_backend(backend))
+
+
+# --------------------------------------------------------------------------- request manager
+
+PAGE = 2
+MAX_SEQ = 14
+CONFIGS = {
+    # the fast path: one full leaf, one replica, no connector
+    "fast": dict(leaves=None, data_parallel_degree=1, enable_prefix_caching=True),
+    "fast_nocache": dict(leaves=None, data_parallel_degree=1, enable_prefix_caching=False),
+    "xxh3": dict(leaves=None, data_parallel_degree=1, enable_prefix_caching=True, hash_algo="xxh3_128"),
+    # the reference paths over fast pools: replicas and hybrid leaves
+    "hybrid": dict(
+        leaves={"full": LeafSpec.full(), "swa": LeafSpec.sliding_window(3), "rec": LeafSpec.recurrent((2,))},
+        data_parallel_degree=2, enable_prefix_caching=True,
+    ),
+    "replicas": dict(leaves=None, data_parallel_degree=2, enable_prefix_caching=True),
+}
+
+
+def _outcome(fn):
+    try:
+        return ("ok", fn())
+    except Exception as e:
+        return ("err", type(e).__name__, str(e))
+
+
+def _norm(v):
+    """Comparable form of a manager result."""
+    if isinstance(v, np.ndarray):
+        return ("nd", v.dtype.str, v.shape, v.tobytes())
+    if isinstance(v, (list, tuple)):
+        return tuple(_norm(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((k, _norm(x)) for k, x in v.items()))
+    if hasattr(v, "__dataclass_fields__"):
+        return (type(v).__name__,) + tuple(_norm(getattr(v, f)) for f in v.__dataclass_fields__ if f != "kv_blocks")
+    if type(v).__name__ == "CompletedTransfer":
+        return "CompletedTransfer"
+    return v
+
+
+def _kv_value(tokens, p: int) -> float:
+    t = np.asarray(tokens[: p + 1], dtype=np.int64)
+    return float(int(np.sum(t * np.arange(1, p + 2))) % 1009 + 1)
+
+
+class ManagerDiff(RuleBasedStateMachine):
+    """A scheduler driving a kvref and a kvfast manager with the same calls."""
+
+    @initialize(cfg=st.sampled_from(sorted(CONFIGS)), num_blocks=st.integers(4, 12))
+    def setup(self, cfg, num_blocks):
+        kw = dict(CONFIGS[cfg])
+        self.cfg = cfg
+        self.params = KVCacheParams(page_size=PAGE, num_layers=1, kv_heads=1, head_dim=1, dtype="float32", **kw)
+        self.sides = []
+        for mod in (kvref, kvfast):
+            self.sides.append(mod.PagedKVCacheManager(
+                self.params, num_blocks=num_blocks, max_batch_size=3, max_seq_len=MAX_SEQ))
+        self.ctxs: dict[str, tuple[TextContext, TextContext]] = {}
+        self.prompts: list[list[int]] = [[1, 2, 1, 2, 1]]
+        self.n = 0
+        note(f"# config {cfg}: {self.params!r}, num_blocks={num_blocks}")
+
+    # -- helpers
+    def both(self, what, fn):
+        a = _outcome(lambda: fn(self.sides[0], 0))
+        b = _outcome(lambda: fn(self.sides[1], 1))
+        note(f"{what} -> {a[0]}{'' if a[0] == 'ok' else ': ' + a[2]}")
+        assert _norm(a) == _norm(b), (what, a, b)
+        return a
+
+    def pair(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.ctxs)), label="request")
+        return rid, self.ctxs[rid]
+
+    # -- rules
+    @rule(data=st.data(), extend=st.lists(st.integers(1, 3), min_size=0, max_size=7),
+          salt=st.sampled_from([None, None, "s"]), replica=st.integers(0, 2))
+    def claim(self, data, extend, salt, replica):
+        base = data.draw(st.sampled_from(self.prompts), label="base prompt")
+        cut = data.draw(st.integers(0, len(base)), label="prefix kept")
+        prompt = base[:cut] + extend
+        if not prompt:
+            prompt = [1]
+        self.prompts.append(prompt)
+        rid = f"r{self.n}"
+        self.n += 1
+        pair = (TextContext(rid, prompt, salt), TextContext(rid, prompt, salt))
+        a = self.both(f"claim({rid}, {prompt}, salt={salt!r}, replica={replica})",
+                      lambda m, i: m.claim(pair[i], replica))
+        if a[0] == "ok":
+            self.ctxs[rid] = pair
+
+    @rule(data=st.data(), replica=st.integers(0, 1))
+    def alloc_dummy(self, data, replica):
+        rid = f"d{self.n}"
+        self.n += 1
+        pair = (TextContext(rid, [1, 2, 3]), TextContext(rid, [1, 2, 3]))
+        a = self.both(f"alloc_dummy({rid}, {replica})", lambda m, i: m.alloc_dummy(pair[i], replica))
+        if a[0] == "ok":
+            self.ctxs[rid] = pair
+
+    @precondition(lambda self: self.ctxs)
+    @rule(data=st.data())
+    def alloc(self, data):
+        rid, pair = self.pair(data)
+        self.both(f"alloc({rid})", lambda m, i: m.alloc(pair[i]))
+        self._same_ctx(pair)
+
+    @precondition(lambda self: self.ctxs)
+    @rule(data=st.data(), token=st.integers(1, 3))
+    def forward(self, data, token):
+        """Write the active tokens' K/V (both sides alike), then update + step."""
+        rid, pair = self.pair(data)
+        for i, m in enumerate(self.sides):
+            ctx = pair[i]
+            req = m._requests.get(rid)
+            if req is None or req.dummy:
+                continue
+            for lid, row in req.rows.items():
+                if self.params.leaves()[lid].kind.name == "RECURRENT":
+                    continue
+                buf = m._buffers[req.replica][lid]
+                for p in range(ctx.processed_length, ctx.current_position):
+                    if p // PAGE < len(row) and row[p // PAGE]:
+                        buf[row[p // PAGE], :, 0, p % PAGE] = _kv_value(ctx.tokens, p)
+        if len(pair[0]) >= MAX_SEQ or pair[0].pending_length:
+            return
+        for ctx in pair:
+            ctx.update(token)
+        self.both(f"update({token}); step({rid})", lambda m, i: m.step(pair[i]))
+        self._same_ctx(pair)
+
+    @precondition(lambda self: self.ctxs)
+    @rule(data=st.data())
+    def prefill_then_step(self, data):
+        """The peer adapter's admission: everything but the last token computed, then step."""
+        rid, pair = self.pair(data)
+        if pair[0].active_length < 2:
+            return
+        for ctx in pair:
+            ctx.skip_processing(ctx.active_length - 1)
+        self.both(f"skip + step({rid})", lambda m, i: m.step(pair[i]))
+
+    @precondition(lambda self: self.ctxs)
+    @rule(data=st.data(), n=st.integers(1, 4))
+    def chunk(self, data, n):
+        rid, pair = self.pair(data)
+        for ctx in pair:
+            if 1 <= n < ctx.active_length:
+                ctx.chunk(n)
+
+    @precondition(lambda self: self.ctxs)
+    @rule(data=st.data())
+    def release(self, data):
+        rid, pair = self.pair(data)
+        self.both(f"release({rid})", lambda m, i: m.release(pair[i]))
+        self.ctxs.pop(rid)
+
+    @rule()
+    def release_unknown(self):
+        self.both("release('nope')", lambda m, i: m.release("nope"))
+        self.both("alloc(unclaimed)", lambda m, i: m.alloc(TextContext("nope", [1])))
+
+    @precondition(lambda self: self.ctxs)
+    @rule(data=st.data())
+    def hit_counts(self, data):
+        rid, pair = self.pair(data)
+        self.both(f"get_prefix_cache_hit_counts({rid})", lambda m, i: m.get_prefix_cache_hit_counts(pair[i]))
+        self.both(f"num_req_blocks({rid})", lambda m, i: m.num_req_blocks(pair[i]))
+
+    @rule(data=st.data(), mcl=st.sampled_from([None, 1, 8, 16]))
+    def runtime_inputs(self, data, mcl):
+        dp = self.params.data_parallel_degree
+        chosen = data.draw(st.lists(st.sampled_from(sorted(self.ctxs)), unique=True, max_size=4)
+                           if self.ctxs else st.just([]), label="batch")
+        batches = []
+        for r in range(dp):
+            batches.append([rid for rid in chosen if self.sides[0]._requests[rid].replica == r])
+        self.both(f"runtime_inputs({batches}, max_cache_length={mcl})",
+                  lambda m, i: m.runtime_inputs([[self.ctxs[rid][i] for rid in b] for b in batches],
+                                                max_cache_length=mcl))
+
+    @rule()
+    def reset_prefix_cache(self):
+        self.both("reset_prefix_cache()", lambda m, i: m.reset_prefix_cache())
+
+    @rule()
+    def take_metrics(self):
+        self.both("take_metrics_aggregated()", lambda m, i: m.take_metrics_aggregated())
+
+    # -- comparison
+    def _same_ctx(self, pair):
+        a, b = pair
+        assert (a.processed_length, a.active_length, a.cached_prefix_length, a.cached_prefix_external_length,
+                a.tokens.tobytes()) == (b.processed_length, b.active_length, b.cached_prefix_length,
+                                        b.cached_prefix_external_length, b.tokens.tobytes())
+
+    @invariant()
+    def agree(self):
+        if not hasattr(self, "sides"):
+            return
+        ref, fast = self.sides
+        ref.check_invariants()
+        fast.check_invariants()
+        for r in range(self.params.data_parallel_degree):
+            assert ref.block_count(r) == fast.block_count(r)
+            assert ref.pressure_pct(r) == fast.pressure_pct(r)
+            for lid in self.params.leaves():
+                assert ref._free_order(r, lid) == fast._free_order(r, lid), (r, lid)
+            a, b = ref.get_device_buffer(r), fast.get_device_buffer(r)
+            if isinstance(a, dict):
+                assert all(a[k].tobytes() == b[k].tobytes() for k in a)
+            else:
+                assert a.tobytes() == b.tobytes()
+        assert ref.get_metrics_aggregated() == fast.get_metrics_aggregated()
+        for rid, pair in self.ctxs.items():
+            assert ref.get_req_blocks_per_leaf(pair[0]) == fast.get_req_blocks_per_leaf(pair[1]), rid
+            self._same_ctx(pair)
+
+
+def test_manager_differential():
+    run_state_machine_as_test(
+        ManagerDiff, settings=settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))
+
+
+def test_peer_adapter_lifecycle_matches_reference():
+    """The peer workload's call sequence, both managers, same hits and block ids."""
+    rng = np.random.default_rng(5)
+    prefixes = [rng.integers(0, 50, 24).tolist() for _ in range(3)]
+    sides = [mod.PagedKVCacheManager(KVCacheParams(page_size=4, num_layers=1, kv_heads=1, head_dim=1),
+                                     num_blocks=40, max_batch_size=8, max_seq_len=256) for mod in (kvref, kvfast)]
+    for wave in range(6):
+        reqs = []
+        for j in range(6):
+            prompt = prefixes[(wave + j) % 3] + rng.integers(0, 50, int(rng.integers(3, 20))).tolist()
+            pair = [TextContext(f"{wave}.{j}", prompt) for _ in sides]
+            out = []
+            for m, ctx in zip(sides, pair):
+                try:
+                    m.claim(ctx)
+                    m.alloc(ctx)
+                    ctx.skip_processing(ctx.active_length - 1)
+                    m.step(ctx)
+                    out.append(("ok", ctx.cached_prefix_length, m.get_req_blocks_per_leaf(ctx)))
+                except InsufficientBlocksError as e:
+                    m.release(ctx)
+                    out.append(("err", str(e)))
+            assert out[0] == out[1]
+            if out[0][0] == "ok":
+                reqs.append(pair)
+        for s in range(5):
+            for pair in reqs:
+                res = []
+                token = int(rng.integers(0, 50))
+                for m, ctx in zip(sides, pair):
+                    try:
+                        m.alloc(ctx)
+                        ctx.update(token)
+                        m.step(ctx)
+                        res.append(m.get_req_blocks_per_leaf(ctx))
+                    except InsufficientBlocksError as e:
+                        res.append(str(e))
+                assert res[0] == res[1]
+        for pair in reqs:
+            for m, ctx in zip(sides, pair):
+                m.release(ctx)
+        assert sides[0]._free_order() == sides[1]._free_order()
+        for m in sides:
+            m.check_invariants()
