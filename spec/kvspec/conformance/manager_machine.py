@@ -1,0 +1,343 @@
+"""``ManagerComparison``: the differential state machine of ``PagedKVCacheManager``.
+
+Each example builds one small manager on the backend under test and one on
+``kvref``, creates requests (``TextContext`` pairs with equal tokens, one per
+side, because the manager writes into its context) and applies random
+operations: one rule per public method, named after it. ``step`` simulates a
+forward: it writes deterministic K/V for the active tokens into the pages the
+request holds, calls ``ctx.update(token)`` (or ``advance_chunk()`` after a
+chunk) and then ``manager.step(ctx)``.
+
+Every call goes through :meth:`ManagerComparison._both` (same outcome, no
+state change after a raise); one ``@invariant`` compares the observable state:
+``check_invariants()``, contexts, block rows, counts, metrics, free order and
+device buffer bytes (the last two only with ``strict_block_ids``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import note
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from .. import strategies as kst
+from .._manager_types import DEFAULT_LEAF_ID, TextContext
+from ._backend import Backend
+from ._compare import assert_same, assert_same_outcome, capture, to_numpy
+
+__all__ = ["ManagerComparison", "write_forward", "manager_snapshot", "context_state"]
+
+_RARE = st.sampled_from([False] * 7 + [True])
+
+
+def context_state(ctx: TextContext) -> dict:
+    """The fields of a context the manager reads or writes."""
+    return {
+        "tokens": np.array(ctx.tokens),
+        "processed_length": ctx.processed_length,
+        "active_length": ctx.active_length,
+        "cached_prefix_length": ctx.cached_prefix_length,
+        "cached_prefix_external_length": ctx.cached_prefix_external_length,
+    }
+
+
+def write_forward(manager, ctx: TextContext, seed: int, replica_idx: int = 0) -> None:
+    """Write K/V for ``ctx``'s active tokens into the pages it holds (the work a
+    forward does through the lookup table). Values are ``exact_values(seed)``."""
+    params = manager.params
+    page = params.page_size
+    rows = manager.get_req_blocks_per_leaf(ctx)[DEFAULT_LEAF_ID]
+    buf = manager.get_device_buffer(replica_idx)
+    if isinstance(buf, dict):
+        buf = buf[DEFAULT_LEAF_ID]
+    start, n = ctx.processed_length, ctx.active_length
+    kv = kst.exact_values((n, 2, params.num_layers, params.kv_heads, params.head_dim), params.dtype, seed)
+    for j in range(n):
+        p = start + j
+        blk = rows[p // page]
+        if blk == 0:
+            continue
+        row = kv[j]
+        if isinstance(buf, np.ndarray):
+            buf[blk, :, :, p % page] = row
+        else:  # pragma: no cover - GPU arrays
+            import cupy
+
+            buf[blk, :, :, p % page] = cupy.asarray(row)
+
+
+def manager_snapshot(manager, contexts, *, strict: bool) -> dict:
+    """Everything observable of a manager and its contexts, as host copies."""
+    dp = manager.params.data_parallel_degree
+    snap = {
+        "metrics": manager.get_metrics_aggregated(),
+        "block_count": [manager.block_count(r) for r in range(dp)],
+        "pressure_pct": [manager.pressure_pct(r) for r in range(dp)],
+        "pending_transfers_exist": [manager.pending_transfers_exist(r) for r in range(dp)],
+    }
+    for rid, ctx in contexts.items():
+        claimed = manager.contains(ctx)
+        snap[f"{rid}.contains"] = claimed
+        snap[f"{rid}.ctx"] = context_state(ctx)
+        snap[f"{rid}.num_req_blocks"] = manager.num_req_blocks(ctx)
+        if claimed:
+            rows = manager.get_req_blocks_per_leaf(ctx)
+            snap[f"{rid}.blocks"] = rows if strict else {k: len(v) for k, v in rows.items()}
+    if strict:
+        for r in range(dp):
+            snap[f"free_order[{r}]"] = list(manager._free_order(r))
+            buf = manager.get_device_buffer(r)
+            snap[f"device_buffer[{r}]"] = {k: to_numpy(v).copy() for k, v in buf.items()} if isinstance(buf, dict) else to_numpy(buf).copy()
+    return snap
+
+
+class ManagerComparison(RuleBasedStateMachine):
+    """Differential state machine: the backend's manager against ``kvref.PagedKVCacheManager``.
+
+    Attributes
+    ----------
+    backend : Backend
+        Set by :meth:`for_backend`.
+    oracle : Backend
+        ``kvref.conformance_backend()`` unless given.
+    """
+
+    backend: Backend | None = None
+    oracle: Backend | None = None
+
+    prompts = Bundle("prompts")
+
+    @classmethod
+    def for_backend(cls, backend: Backend, oracle: Backend | None = None) -> type:
+        """A runnable subclass bound to ``backend`` (and ``oracle``, default kvref)."""
+        if not isinstance(backend, Backend):
+            raise TypeError(f"ManagerComparison.for_backend: backend={backend!r}, must be a kvspec.conformance.Backend")
+        if oracle is None:
+            import kvref
+
+            oracle = kvref.conformance_backend()
+        return type(f"ManagerComparison_{backend.name}", (cls,), {"backend": backend, "oracle": oracle})
+
+    def __init__(self):
+        if self.backend is None:
+            raise TypeError("ManagerComparison: use ManagerComparison.for_backend(backend)")
+        super().__init__()
+        self.ref = self.sut = None
+        self.ctx_ref: dict[str, TextContext] = {}
+        self.ctx_sut: dict[str, TextContext] = {}
+        self.allocated: set[str] = set()
+        self.replica_of: dict[str, int] = {}
+        self.n_requests = 0
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def strict(self) -> bool:
+        return self.backend.supports("strict_block_ids")
+
+    def _snaps(self):
+        return (manager_snapshot(self.ref, self.ctx_ref, strict=True),
+                manager_snapshot(self.sut, self.ctx_sut, strict=self.strict))
+
+    def _both(self, label: str, fn):
+        """Apply ``fn(manager, contexts)`` to both sides; same outcome; no change after a raise."""
+        note(label)
+        before = self._snaps()
+        r = capture(lambda: fn(self.ref, self.ctx_ref))
+        s = capture(lambda: fn(self.sut, self.ctx_sut))
+        assert_same_outcome(label, r, s)
+        if r.raised:
+            after = self._snaps()
+            assert_same(before[0], after[0], f"{label} [kvref state after raise]")
+            assert_same(before[1], after[1], f"{label}: state changed after {type(s.exc).__name__}")
+            return None
+        return r.value, s.value
+
+    def _rid(self, data, *, claimed: bool | None = None, prefer=None) -> str | None:
+        """A request id: claimed or not as asked, and usually one ``prefer`` likes."""
+        ids = sorted(self.ctx_ref)
+        if claimed is not None:
+            ids = [i for i in ids if self.ref.contains(i) == claimed]
+        if prefer is not None and not data.draw(_RARE, label="any request"):
+            ids = [i for i in ids if prefer(i)] or ids
+        if not ids:
+            return None
+        return data.draw(st.sampled_from(ids), label="request")
+
+    # ------------------------------------------------------------------ construction
+
+    @initialize(data=st.data())
+    def make(self, data):
+        setup = data.draw(kst.manager_setups(self.backend.capabilities), label="setup")
+        self.params = setup["params"]
+        self.max_seq_len = setup["max_seq_len"]
+        self.dp = self.params.data_parallel_degree
+        kw = {k: v for k, v in setup.items() if k != "params"}
+        note(f"manager = make_manager({self.params!r}, **{kw!r})")
+        self.ref = self.oracle.make_manager(self.params, **kw)
+        self.sut = self.backend.make_manager(self.params, **kw)
+
+    # ------------------------------------------------------------------ requests
+
+    @rule(target=prompts, p=kst.prompts(1, 12))
+    def new_prompt(self, p):
+        return p
+
+    @rule(target=prompts, base=prompts, more=kst.prompts(1, 6))
+    def extend_prompt(self, base, more):
+        return base + more
+
+    def _shared_prompt(self, data) -> list[int]:
+        """A prompt that often starts with another request's tokens (so prefixes hit)."""
+        fresh = data.draw(kst.prompts(1, 10), label="tokens")
+        known = [list(c.tokens) for c in self.ctx_ref.values()]
+        if known and data.draw(st.booleans(), label="share a prefix"):
+            base = data.draw(st.sampled_from(known), label="base")
+            return base[: data.draw(st.integers(0, len(base)), label="cut")] + fresh
+        return fresh
+
+    @precondition(lambda self: self.ref is not None and len(self.ctx_ref) < 6)
+    @rule(data=st.data(), salt=st.sampled_from([None, None, None, "s"]))
+    def new_request(self, data, salt):
+        prompt = self._shared_prompt(data)
+        rid = f"r{self.n_requests}"
+        self.n_requests += 1
+        cap = self.max_seq_len + 1 if data.draw(_RARE, label="too long") else self.max_seq_len - 1
+        tokens = np.array(prompt[: max(cap, 1)], np.int32)
+        note(f"ctx_{rid} = TextContext({rid!r}, {tokens.tolist()}, cache_salt={salt!r})")
+        self.ctx_ref[rid] = TextContext(rid, tokens, cache_salt=salt)
+        self.ctx_sut[rid] = TextContext(rid, tokens, cache_salt=salt)
+
+    # ------------------------------------------------------------------ manager methods
+
+    @rule(data=st.data())
+    def claim(self, data):
+        rid = self._rid(data, claimed=None if data.draw(_RARE) else False)
+        if rid is None:
+            return
+        r = data.draw(st.integers(0, self.dp - 1) if not data.draw(_RARE) else st.just(self.dp), label="replica")
+        if self._both(f"manager.claim(ctx_{rid}, {r})", lambda m, cs: m.claim(cs[rid], r)) is not None:
+            self.replica_of[rid] = r
+
+    @rule(data=st.data())
+    def alloc(self, data):
+        rid = self._rid(data, claimed=None if data.draw(_RARE) else True,
+                        prefer=lambda i: i not in self.allocated)
+        if rid is None:
+            return
+        out = self._both(f"manager.alloc(ctx_{rid})", lambda m, cs: m.alloc(cs[rid]).is_complete())
+        if out is not None:
+            self.allocated.add(rid)
+
+    @rule(data=st.data())
+    def chunk(self, data):
+        """``ctx.chunk(n)`` on both contexts (a chunked prefill), before ``alloc``."""
+        rid = self._rid(data, claimed=True)
+        if rid is None or rid in self.allocated or self.ctx_ref[rid].active_length < 2:
+            return
+        n = data.draw(st.integers(1, self.ctx_ref[rid].active_length - 1), label="n")
+        note(f"ctx_{rid}.chunk({n})")
+        self.ctx_ref[rid].chunk(n)
+        self.ctx_sut[rid].chunk(n)
+
+    @rule(data=st.data())
+    def step(self, data):
+        """A forward over the active tokens, then ``manager.step(ctx)``."""
+        rid = self._rid(data, claimed=None if data.draw(_RARE) else True, prefer=lambda i: i in self.allocated)
+        if rid is None:
+            return
+        if rid in self.allocated:
+            seed = data.draw(st.integers(0, 2**16), label="kv seed")
+            token = data.draw(kst.token_ids(), label="token")
+            note(f"write_forward(manager, ctx_{rid}, seed={seed})")
+            for m, cs in ((self.ref, self.ctx_ref), (self.sut, self.ctx_sut)):
+                write_forward(m, cs[rid], seed, self.replica_of[rid])
+                if cs[rid].pending_length:
+                    cs[rid].advance_chunk()
+                else:
+                    cs[rid].update(token)
+            self.allocated.discard(rid)
+        self._both(f"manager.step(ctx_{rid})", lambda m, cs: m.step(cs[rid]))
+
+    @rule(data=st.data())
+    def release(self, data):
+        rid = self._rid(data, claimed=None if data.draw(_RARE) else True)
+        if rid is None:
+            return
+        out = self._both(f"manager.release(ctx_{rid})", lambda m, cs: m.release(cs[rid]))
+        if out is not None:
+            note(f"ctx_{rid}.reset()  # preempted: recompute from scratch")
+            self.ctx_ref[rid].reset()
+            self.ctx_sut[rid].reset()
+            self.allocated.discard(rid)
+
+    @rule(data=st.data())
+    def alloc_dummy(self, data):
+        rid = self._rid(data, claimed=False)
+        if rid is None:
+            return
+        r = data.draw(st.integers(0, self.dp - 1), label="replica")
+        if self._both(f"manager.alloc_dummy(ctx_{rid}, {r})", lambda m, cs: m.alloc_dummy(cs[rid], r)) is not None:
+            self.replica_of[rid] = r
+
+    @rule(data=st.data())
+    def runtime_inputs(self, data):
+        chosen = [rid for rid in sorted(self.allocated) if data.draw(st.booleans(), label=f"batch {rid}")]
+        batches = [[] for _ in range(self.dp)]
+        for rid in chosen:
+            batches[self.replica_of[rid]].append(rid)
+        if data.draw(_RARE, label="fault") and batches[0]:
+            batches = batches[:-1] if self.dp > 1 else batches + [[]]
+        mcl = data.draw(st.one_of(st.none(), st.none(), st.integers(0, self.max_seq_len + 4)), label="max_cache_length")
+
+        def call(m, cs):
+            inputs = m.runtime_inputs([[cs[rid] for rid in b] for b in batches], max_cache_length=mcl)
+            out = []
+            for per in inputs.inputs:
+                lut = to_numpy(per.lookup_table)
+                out.append({
+                    # without strict block ids only which entries are live (non-null) must agree
+                    "lookup_table": lut if self.strict else lut != 0,
+                    "cache_lengths": per.cache_lengths,
+                    "max_prompt_length": per.max_prompt_length,
+                    "max_cache_length": per.max_cache_length,
+                })
+            return out
+
+        self._both(f"manager.runtime_inputs({batches}, max_cache_length={mcl})", call)
+
+    @rule(data=st.data())
+    def get_prefix_cache_hit_counts(self, data):
+        prompt = self._shared_prompt(data)
+        tokens = np.array(prompt[: self.max_seq_len], np.int32)
+        self._both(f"manager.get_prefix_cache_hit_counts(TextContext('probe', {tokens.tolist()}))",
+                   lambda m, cs: m.get_prefix_cache_hit_counts(TextContext("probe", tokens)))
+
+    @rule(gate=_RARE)
+    def reset_prefix_cache(self, gate):
+        if gate:
+            self._both("manager.reset_prefix_cache()", lambda m, cs: m.reset_prefix_cache())
+
+    @rule(gate=_RARE)
+    def take_metrics_aggregated(self, gate):
+        if gate:
+            self._both("manager.take_metrics_aggregated()", lambda m, cs: m.take_metrics_aggregated())
+
+    @rule(gate=_RARE)
+    def poll_transfers(self, gate):
+        if gate:
+            self._both("manager.poll_transfers()", lambda m, cs: m.poll_transfers())
+
+    # ------------------------------------------------------------------ invariant
+
+    @invariant()
+    def agrees_with_kvref(self):
+        if self.ref is None:
+            return
+        self.ref.check_invariants()
+        if self.backend.supports("invariants"):
+            self.sut.check_invariants()
+        a = manager_snapshot(self.ref, self.ctx_ref, strict=self.strict)
+        b = manager_snapshot(self.sut, self.ctx_sut, strict=self.strict)
+        assert_same(a, b, "manager state")
