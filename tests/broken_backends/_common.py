@@ -28,15 +28,19 @@ def backend_like_kvref(name: str, *, cache_cls=None, manager_cls=None, **changes
 
 
 def swap_pools(obj, pool_cls) -> None:
-    """Give every ``BlockPool`` held by ``obj`` (directly, or in a list or dict
-    attribute) the broken class ``pool_cls``: one instance changes, kvref's
-    module and the oracle stay correct."""
+    """Give every ``BlockPool`` held by ``obj`` (directly, or nested in list,
+    tuple or dict attributes) the broken class ``pool_cls``: one instance
+    changes, kvref's module and the oracle stay correct."""
+
+    def visit(value):
+        if isinstance(value, BlockPool):
+            value.__class__ = pool_cls
+        elif isinstance(value, dict):
+            for v in value.values():
+                visit(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                visit(v)
+
     for value in vars(obj).values():
-        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
-        for item in items:
-            if isinstance(item, BlockPool):
-                item.__class__ = pool_cls
-            elif isinstance(item, (list, tuple)):
-                for sub in item:
-                    if isinstance(sub, BlockPool):
-                        sub.__class__ = pool_cls
+        visit(value)

@@ -17,7 +17,7 @@ from ._backend import Backend
 from ._compare import Outcome, assert_same, assert_same_outcome, capture
 from .machine import cache_snapshot, scatter_kv
 
-__all__ = ["CachePair", "write_step"]
+__all__ = ["CachePair", "ManagerPair", "ManualConnector", "write_step"]
 
 
 def write_step(cache, ops, slot: int, n: int, seed: int):
@@ -110,3 +110,199 @@ class CachePair:
                 a.pop(key, None)
                 b.pop(key, None)
         assert_same(a, b, "state")
+
+
+class ManagerPair:
+    """A ``PagedKVCacheManager`` on the backend and on kvref, with one
+    ``TextContext`` per side for each request id.
+
+    Parameters
+    ----------
+    backend, oracle : Backend
+    params : KVCacheParams
+    connectors : (ref, sut) pair of connectors, optional
+    **kw
+        ``num_blocks``, ``max_batch_size``, ``max_seq_len``.
+    """
+
+    def __init__(self, backend: Backend, oracle: Backend, params, connectors=(None, None), **kw):
+        from .manager_machine import manager_snapshot
+
+        self._snapshot = manager_snapshot
+        self.backend, self.oracle, self.params = backend, oracle, params
+        self.ref = oracle.make_manager(params, connector=connectors[0], **kw)
+        self.sut = backend.make_manager(params, connector=connectors[1], **kw)
+        self.ctx_ref: dict = {}
+        self.ctx_sut: dict = {}
+
+    @property
+    def strict(self) -> bool:
+        return self.backend.supports("strict_block_ids")
+
+    def new(self, rid: str, tokens, cache_salt=None) -> None:
+        """A request ``rid`` with ``tokens`` on both sides (not claimed)."""
+        from .._manager_types import TextContext
+
+        self.ctx_ref[rid] = TextContext(rid, np.array(tokens, np.int32), cache_salt=cache_salt)
+        self.ctx_sut[rid] = TextContext(rid, np.array(tokens, np.int32), cache_salt=cache_salt)
+
+    def snapshots(self):
+        return (self._snapshot(self.ref, self.ctx_ref, strict=True),
+                self._snapshot(self.sut, self.ctx_sut, strict=self.strict))
+
+    def call(self, label: str, fn) -> tuple[Outcome, Outcome]:
+        """``fn(manager, contexts)`` on both; same outcome; no state change after a raise."""
+        before = self.snapshots()
+        r = capture(lambda: fn(self.ref, self.ctx_ref))
+        s = capture(lambda: fn(self.sut, self.ctx_sut))
+        assert_same_outcome(label, r, s)
+        if r.raised:
+            after = self.snapshots()
+            assert_same(before[0], after[0], f"{label} [kvref state after raise]")
+            assert_same(before[1], after[1], f"{label}: state changed after {type(s.exc).__name__}")
+        return r, s
+
+    def ok(self, label: str, fn):
+        r, s = self.call(label, fn)
+        if r.raised:
+            raise AssertionError(f"{label}: kvref raised {r.exc!r}; the test expects success")
+        return r.value, s.value
+
+    def raises(self, label: str, fn, exc_type: type) -> str:
+        r, s = self.call(label, fn)
+        if not r.raised or not isinstance(r.exc, exc_type):
+            raise AssertionError(f"{label}: kvref gave {r.exc or r.value!r}, the test expects {exc_type.__name__}")
+        return str(s.exc)
+
+    def forward(self, rid: str, token: int, seed: int = 0, replica_idx: int = 0) -> None:
+        """``alloc`` then a forward (K/V written) then ``update(token)`` and ``step``."""
+        from .manager_machine import write_forward
+
+        self.ok(f"manager.alloc(ctx_{rid})", lambda m, cs: m.alloc(cs[rid]).is_complete())
+        for m, cs in ((self.ref, self.ctx_ref), (self.sut, self.ctx_sut)):
+            write_forward(m, cs[rid], seed, replica_idx)
+            cs[rid].update(token)
+        self.ok(f"manager.step(ctx_{rid})", lambda m, cs: m.step(cs[rid]))
+
+    def agree(self) -> None:
+        self.ref.check_invariants()
+        if self.backend.supports("invariants"):
+            self.sut.check_invariants()
+        assert_same(self._snapshot(self.ref, self.ctx_ref, strict=self.strict),
+                    self._snapshot(self.sut, self.ctx_sut, strict=self.strict), "manager state")
+
+
+class ManualConnector:
+    """A connector whose loads land only when the test says so (``land()``).
+
+    ``offload`` copies pages into a dict at once; ``load`` returns a pending
+    handle and copies nothing until ``land()``. ``reset_prefix_cache`` keeps
+    the store (so a test can drop the device cache and still load). Token ids
+    are stored and compared: a mismatch is a miss, never wrong K/V.
+    """
+
+    name = "manual"
+
+    def __init__(self):
+        self.store: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+        self.pending: list["_ManualTransfer"] = []
+        self.buffers = None
+
+    def attach(self, buffers, params) -> None:
+        self.buffers = list(buffers)
+
+    def lookup(self, hashes, tokens, replica_idx: int = 0) -> int:
+        n = 0
+        for h, t in zip(hashes, tokens):
+            held = self.store.get(bytes(h))
+            if held is None or not np.array_equal(held[0], np.asarray(t)):
+                break
+            n += 1
+        return n
+
+    def load(self, block_ids, hashes, tokens, replica_idx: int = 0):
+        from ..errors import KVLoadRefused
+
+        if self.lookup(hashes, tokens, replica_idx) < len(hashes):
+            raise KVLoadRefused(f"ManualConnector.load: {len(hashes)} blocks asked, not all held")
+        t = _ManualTransfer(self, replica_idx, list(block_ids), [bytes(h) for h in hashes])
+        self.pending.append(t)
+        return t
+
+    def land(self) -> int:
+        """Copy every pending load into the device buffers; returns how many landed."""
+        n = len(self.pending)
+        for t in self.pending:
+            for b, h in zip(t.block_ids, t.hashes):
+                _assign_page(self.buffers[t.replica], b, self.store[h][1])
+            t.done = True
+        self.pending = []
+        return n
+
+    def offload(self, block_ids, hashes, tokens, replica_idx: int = 0):
+        from .._manager_types import CompletedTransfer
+
+        for b, h, t in zip(block_ids, hashes, tokens):
+            self.store[bytes(h)] = (np.array(t), to_numpy_page(self.buffers[replica_idx], b))
+        return CompletedTransfer()
+
+    def touch(self, hashes, replica_idx: int = 0) -> None:
+        return None
+
+    def poll_transfers(self) -> None:
+        return None
+
+    def reset_prefix_cache(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        self.land()
+
+    def host_byte_count(self):
+        from .._manager_types import ByteCount
+
+        return ByteCount(0, 0)
+
+    def disk_byte_count(self):
+        from .._manager_types import ByteCount
+
+        return ByteCount(0, 0)
+
+    @property
+    def metrics(self):
+        from .._manager_types import KVCacheMetrics
+
+        return KVCacheMetrics()
+
+    def take_metrics(self):
+        from .._manager_types import KVCacheMetrics
+
+        return KVCacheMetrics()
+
+
+class _ManualTransfer:
+    def __init__(self, conn: ManualConnector, replica: int, block_ids: list[int], hashes: list[bytes]):
+        self.conn, self.replica, self.block_ids, self.hashes = conn, replica, block_ids, hashes
+        self.done = False
+
+    def is_complete(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        if not self.done:
+            self.conn.land()
+
+
+def to_numpy_page(buffer, block: int) -> np.ndarray:
+    from ._compare import to_numpy
+
+    return to_numpy(buffer[block]).copy()
+
+
+def _assign_page(buffer, block: int, page: np.ndarray) -> None:
+    if isinstance(buffer, np.ndarray):
+        buffer[block] = page
+    else:  # pragma: no cover - GPU arrays
+        import cupy
+
+        buffer[block] = cupy.asarray(page)
