@@ -91,7 +91,7 @@ def test_documented_commands_parse(page):
     text = read("docs", page)
     lines = [line for b in code_blocks(text, "bash") for line in b.splitlines()]
     lines += [line[2:] for b in code_blocks(text, "text") for line in b.splitlines() if line.startswith("$ ")]
-    for line in lines:
+    for line in (part.strip() for line in lines for part in line.split("&&")):
         if line.startswith("kvcache "):
             argv = shlex.split(line.split(" #")[0])[1:]
             args = parser.parse_args(argv)
