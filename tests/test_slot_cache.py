@@ -585,3 +585,13 @@ def test_retire_with_fewer_tokens_than_adopted():
     cache.retire(1, [])
     assert cache.seq_lens()[1] == 0 and cache._pool.hash_to_block == index
     cache.check_invariants()
+
+
+def test_docstring_examples():
+    """The Examples blocks of kvref._slot_cache run as doctests."""
+    import doctest
+
+    import kvref._slot_cache as module
+
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted >= 4 and result.failed == 0
