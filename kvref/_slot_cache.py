@@ -426,7 +426,7 @@ class KVCache:
             raise ValueError(f"{api}: new_pos={pos} > capacity={cap} of slot {b}")
         shared = int(self._nshared[b]) * self._config.block_size
         if pos < shared:
-            # Spec §4.2: positions below the adopted prefix live in shared blocks; rewriting them is forbidden.
+            # Spec §2.6: positions below the adopted prefix live in shared blocks; rewriting them is forbidden.
             raise ValueError(f"{api}: new_pos={pos} < shared prefix={shared} of slot {b}")
         # Spec §2.6: shrinking keeps the blocks (capacity stays); nothing is zeroed or freed.
         self._seq[b] = pos
@@ -855,7 +855,7 @@ class KVCache:
         P = self._config.block_size
         n_pub = a // P if self._config.enable_prefix_caching else 0
         for col in range(min(int(self._nshared[b]), n_pub)):
-            # Spec §4.2: the adopted prefix is fixed; tokens that contradict it would publish a false chain.
+            # Spec §2.11: the adopted prefix is fixed; tokens that contradict it would publish a false chain.
             stored = self._pool.block_tokens[int(self._table[b, col])]
             mine = tokens[col * P : (col + 1) * P]
             diff = np.flatnonzero(stored != mine)
@@ -864,7 +864,7 @@ class KVCache:
                 raise ValueError(f"{api}: full_token_ids[{j}]={mine[diff[0]]} but adopted block {col} holds {stored[diff[0]]}")
         hashes = self._chain(tokens, n_pub)
         # ---- commit (nothing below can fail)
-        parent = root_hash(self._config.hash_seed)  # Spec §4.1: the slot cache's chain has no salt
+        parent = root_hash(self._config.hash_seed)  # Spec §4: the slot cache's chain has no salt
         for col, h in enumerate(hashes):
             blk = int(self._table[b, col])
             canonical = self._pool.publish(blk, h, tokens[col * P : (col + 1) * P])
