@@ -41,7 +41,7 @@ from ._leaves import Leaf, joint_hit
 
 __all__ = ["PagedKVCacheManager"]
 
-#: Lookup-table columns are rounded up to a multiple of this (Spec §7.3).
+#: Lookup-table columns are rounded up to a multiple of this (Spec §8).
 LUT_ALIGN = 8
 
 
@@ -191,7 +191,7 @@ class PagedKVCacheManager:
         self._leaf = {leaf.leaf_id: leaf for leaf in leaves}
         self._paged_leaves = [leaf for leaf in leaves if not leaf.is_recurrent]
         self._salted_roots: dict[bytes, bytes] = {}
-        # Spec §8.1: tiers and cross-replica copies serve single full-leaf managers.
+        # Spec §9.1: tiers and cross-replica copies serve single full-leaf managers.
         self._simple = len(leaves) == 1 and leaves[0].kind is LeafKind.FULL
         self._conn_leaf = self._paged_leaves[0].leaf_id
 
@@ -225,7 +225,7 @@ class PagedKVCacheManager:
             else:
                 connector = NullConnector()
         self._connector = connector
-        # Spec §8.1: the null connector is never called on the hot path.
+        # Spec §9.1: the null connector is never called on the hot path.
         self._uses_connector = self._simple and self._caching and not isinstance(connector, NullConnector)
         connector.attach([self._buffers[r][self._conn_leaf] for r in range(self._dp)], params)
 
@@ -277,7 +277,7 @@ class PagedKVCacheManager:
         if req is None:
             raise ValueError(f"{op}: request_id={rid!r} is not claimed, so it holds no pages; call claim first")
         if isinstance(ctx, TextContext) and req.ctx is not ctx:
-            # Spec §2.1: a new context object for a claimed id replaces the old one.
+            # Spec §2.3: a new context object for a claimed id replaces the old one.
             if np.array_equal(req.ctx.tokens[: len(req.hashes) * self._page],
                               ctx.tokens[: len(req.hashes) * self._page]):
                 req.ctx = ctx
@@ -391,7 +391,7 @@ class PagedKVCacheManager:
     def release(self, ctx: TextContext | str) -> None:
         """Free the request's pages, tail first, and forget it.
 
-        Spec §5.4: rows are freed in reverse so a chain's tail is evicted
+        Spec §6: rows are freed in reverse so a chain's tail is evicted
         before its head; published pages stay hittable until evicted. A load
         still in flight keeps its pages pinned until it lands (then they are
         published) or fails (then they are freed unpublished).
@@ -457,7 +457,7 @@ class PagedKVCacheManager:
         self._check_len(op, ctx)
         if req.dummy:
             return self._size_dummy(req)
-        self._drain()  # Spec §8.2: finished transfers land before anything is sized.
+        self._drain()  # Spec §9.2: finished transfers land before anything is sized.
         if req.load is not None and req.load.state == "failed" and req.ran_past:
             raise RuntimeError(
                 f"alloc: request_id={ctx.request_id!r} ran past a failed load of {len(req.load.pages)} blocks "
@@ -484,10 +484,10 @@ class PagedKVCacheManager:
         transfer: KVTransfer = CompletedTransfer()
         if self._external_stage_due(req, ctx):
             if defer_lookup and req.lookup is None:
-                req.lookup_pending = True  # Spec §8.4: awaits start_lookup and the next alloc
+                req.lookup_pending = True  # Spec §9.4: awaits start_lookup and the next alloc
             else:
                 transfer = self._load_external(req, ctx)
-        # Spec §6.1: input_tokens counts each forward's active tokens once.
+        # Spec §4.9: input_tokens counts each forward's active tokens once.
         if req.counted_gen == req.step_gen:
             self._metrics.input_tokens += ctx.active_length - req.counted_active
         else:
@@ -527,7 +527,7 @@ class PagedKVCacheManager:
             req.rows[leaf.leaf_id] = row
             req.nulled[leaf.leaf_id] = lo
         if reach > local:
-            # Spec §8.3: a hit held only by peers is copied into local pages, best effort.
+            # Spec §7.3: a hit held only by peers is copied into local pages, best effort.
             pool = self._pools[r][self._conn_leaf]
             n = min(reach - local, pool.num_free)
             if n:
@@ -553,7 +553,7 @@ class PagedKVCacheManager:
         return list(req.hashes[:k])
 
     def _grow(self, req: _Request, ctx: TextContext, copies: list) -> None:
-        """Draw every leaf's missing pages, all or nothing (Spec §4.1)."""
+        """Draw every leaf's missing pages, all or nothing (Spec §4.6)."""
         r = req.replica
         need = {}
         required = self._required_blocks(ctx)
@@ -590,7 +590,7 @@ class PagedKVCacheManager:
             else:
                 buf = self._buffers[r][a]
                 if src == NULL_BLOCK:
-                    buf[dst] = 0  # Spec §5.3: a fresh recurrent state starts at zero
+                    buf[dst] = 0  # Spec §4.7: a fresh recurrent state starts at zero
                 else:
                     buf[dst] = buf[src]
         for lid, c in req.restore.items():
@@ -659,11 +659,11 @@ class PagedKVCacheManager:
             handle = self._connector.load(pages, hashes, toks, r)
             done = handle.is_complete()
         except KVLoadRefused:
-            # Spec §8.5: a refused load is a clean miss; the pages stay the request's.
+            # Spec §9.3: a refused load is a clean miss; the pages stay the request's.
             # connector_loads_refused is the connector's counter (no double count).
             return CompletedTransfer()
         except KVLoadFailed:
-            # Spec §8.6: failed at post or first poll: miss at the device hit, skip the connector.
+            # Spec §9.3: failed at post or first poll: miss at the device hit, skip the connector.
             self._metrics.connector_load_failures += 1
             req.skip_connector = True
             return CompletedTransfer()
@@ -714,7 +714,7 @@ class PagedKVCacheManager:
             pool.free([b])
 
     def _undo_failed_load(self, req: _Request, ctx: TextContext) -> None:
-        """Spec §8.6: re-take only the device hit after a load failed post-splice."""
+        """Spec §9.6: re-take only the device hit after a load failed post-splice."""
         load = req.load
         n = len(load.pages)
         ctx.rewind_processing(n * self._page)
@@ -821,7 +821,7 @@ class PagedKVCacheManager:
         req.ext_point, req.lookup, req.lookup_pending = False, None, False
         if req.load is not None:
             if req.load.state == "failed":
-                req.ran_past = True  # Spec §8.6: the forward read pages that never landed
+                req.ran_past = True  # Spec §9.6: the forward read pages that never landed
                 return
             req.stepped_during_load = True  # pending: commits wait for the landing
             return
@@ -844,7 +844,7 @@ class PagedKVCacheManager:
                 if b == NULL_BLOCK:
                     continue
                 canon = pool.publish(b, h, toks)
-                if canon != b:  # Spec §5.2: twin dedup, keep the published copy
+                if canon != b:  # Spec §5.1: twin dedup, keep the published copy
                     pool.touch(canon)
                     row[i] = canon
                     pool.free([b])
@@ -869,7 +869,7 @@ class PagedKVCacheManager:
                 continue
             live, succ = row
             buf = self._buffers[req.replica][leaf.leaf_id]
-            buf[succ] = buf[live]  # Spec §5.3: the successor carries on, the old live page is the checkpoint
+            buf[succ] = buf[live]  # Spec §5.2: the successor carries on, the old live page is the checkpoint
             pool.publish(live, h, toks)
             pool.free([live])
             req.rows[leaf.leaf_id] = [succ]
@@ -897,7 +897,7 @@ class PagedKVCacheManager:
         except KVLoadFailed as e:
             self._fail_load(load, e)
             return []
-        except Exception as e:  # Spec §8.6: other errors propagate after unpinning
+        except Exception as e:  # Spec §9.6: other errors propagate after unpinning
             self._fail_load(load, e, count=False)
             return [e]
         if done:
@@ -940,7 +940,7 @@ class PagedKVCacheManager:
             raise errors[0]
 
     def _post_offloads(self) -> None:
-        """Post queued offload runs, truncated at the first evicted hash (Spec §8.2)."""
+        """Post queued offload runs, truncated at the first evicted hash (Spec §9.2)."""
         for r in range(self._dp):
             queue, self._offload_queue[r] = self._offload_queue[r], []
             pool = self._pools[r][self._conn_leaf]
@@ -1150,7 +1150,7 @@ class PagedKVCacheManager:
                     raise TypeError(f"{op}: batches[{r}][{i}]={c!r}, must be a TextContext")
         if max_cache_length is not None and not _is_int(max_cache_length):
             raise TypeError(f"{op}: max_cache_length={max_cache_length!r}, must be an int or None")
-        # Spec §7.2 (1)
+        # Spec §8 (1)
         if len(batches) != self._dp:
             raise ValueError(f"{op}: len(batches)={len(batches)} but data_parallel_degree={self._dp}; "
                              "the number of batches must match the number of replicas")
@@ -1198,7 +1198,7 @@ class PagedKVCacheManager:
             if len(batch) > self._max_batch_size:
                 raise ValueError(f"{op}: len(batches[{r}])={len(batch)} > max_batch_size={self._max_batch_size}")
 
-        self._post_offloads()  # Spec §8.2: queued offloads are posted before the forward
+        self._post_offloads()  # Spec §9.2: queued offloads are posted before the forward
         cols = LUT_ALIGN * max(1, math.ceil(need / LUT_ALIGN))
         out = []
         for r, batch in enumerate(batches):

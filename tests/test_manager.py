@@ -1196,3 +1196,19 @@ def test_default_connector_is_tiered_when_params_ask_for_tiers():
     assert_kv_correct(m, b)
     check_invariants(m)
     m.shutdown()
+
+
+# --------------------------------------------------------------------------- the guide's examples run
+
+
+def test_docs_manager_examples_run(capsys):
+    import os
+    import re
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "manager.md")
+    with open(path, encoding="utf-8") as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
+    assert len(blocks) >= 3
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"docs/manager.md[{i}]", "exec"), {"__name__": "__docs__"})
+    assert "hit rate" in capsys.readouterr().out

@@ -126,12 +126,17 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def _alloc(self, ctx, defer_lookup: bool = False) -> bool:
         """alloc; True when the request may run its forward now."""
+        # alloc lands finished transfers first (not rolled back); do that here so
+        # the fingerprint below compares only what a failing alloc may touch.
+        self.m._drain()
         before = self._fingerprint(ctx)
+        self.out_of_blocks = False
         note(f"m.alloc({ctx.request_id!r}, defer_lookup={defer_lookup})")
         try:
             transfer = self.m.alloc(ctx, defer_lookup=defer_lookup)
         except InsufficientBlocksError:
             assert self._fingerprint(ctx) == before
+            self.out_of_blocks = True
             event("alloc: out of blocks, rolled back")
             return False
         if ctx.cached_prefix_length and ctx.processed_length == ctx.cached_prefix_length:
@@ -369,7 +374,7 @@ class ConnectorMachine(FullOnlyMachine):
         if hand_back:
             assert self.m.hand_back_lookup(ctx)
         self._alloc(ctx)
-        assert not self.m.awaits_lookup(ctx)
+        assert self.m.awaits_lookup(ctx) == (self.out_of_blocks and not hand_back)
 
     def teardown(self):
         for ctx in list(self.live.values()) + list(self.dummies.values()):
