@@ -13,6 +13,8 @@ Options
     collected test are listed at the end of the run. Default ``$KVCACHE_XFAIL``.
 ``--kv-quick``
     Fewer Hypothesis examples and shorter state-machine runs (CI smoke runs).
+``--kv-no-shrink``
+    Report the first failing example as found, without shrinking it.
 
 The plugin only acts on tests of the ``kvspec.conformance`` package: other
 test runs see three unused options and nothing else.
@@ -42,6 +44,8 @@ def pytest_addoption(parser):
                 help="file of test-id prefixes expected to fail (default $KVCACHE_XFAIL)")
     g.addoption("--kv-quick", action="store_true", default=False,
                 help="fewer Hypothesis examples and shorter state machines")
+    g.addoption("--kv-no-shrink", action="store_true", default=False,
+                help="report the first failing example without shrinking it (faster failures)")
 
 
 def _wants_suite(config) -> bool:
@@ -164,15 +168,22 @@ def kv_quick(request) -> bool:
 
 
 @pytest.fixture(scope="session")
-def kv_settings(kv_quick):
-    """Hypothesis settings of the suite's property tests and state machines."""
-    from hypothesis import HealthCheck, settings
+def kv_settings(request, kv_quick):
+    """Hypothesis settings of the suite's state machines: 40 examples of up to
+    40 steps (``--kv-quick``: 10 of 25), no deadline, shrinking unless
+    ``--kv-no-shrink``. ``--hypothesis-seed`` and the Hypothesis database
+    work as usual."""
+    from hypothesis import HealthCheck, Phase, settings
 
-    examples, steps = (8, 25) if kv_quick else (40, 40)
+    examples, steps = (10, 25) if kv_quick else (40, 40)
+    phases = list(Phase)
+    if request.config.getoption("--kv-no-shrink"):
+        phases = [p for p in phases if p is not Phase.shrink]
     return settings(
         max_examples=examples,
         stateful_step_count=steps,
         deadline=None,
+        phases=phases,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
     )
 
