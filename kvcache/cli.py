@@ -415,3 +415,7 @@ def _cmd_bench(args) -> int:
             raise
         raise CommandUnavailable("kvcache bench: the benchmark module kvcache/bench.py is not part of this build") from None
     return bench.main(list(args.bench_args))
+
+
+if __name__ == "__main__":  # python -m kvcache.cli
+    sys.exit(main())

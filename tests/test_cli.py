@@ -346,3 +346,13 @@ def test_console_script_error_and_success():
                         timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "infinite-cache ceiling" in ok.stdout and ok.stderr == ""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("kvspec.conformance.plugin") is None,
+                    reason="the conformance plugin is not part of this build")
+def test_conformance_collects_the_suite_for_kvref():
+    r = subprocess.run([sys.executable, "-m", "kvcache.cli", "conformance", "--backend", "kvref", "--",
+                        "--collect-only", "-q", "-p", "no:cacheprovider"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"\d+ tests? collected", r.stdout)
