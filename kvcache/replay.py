@@ -281,7 +281,7 @@ class _Live:
     """Scheduler state of one request."""
 
     __slots__ = ("index", "req", "ctx", "replica", "generated", "admitted_at", "hit_dev", "hit_ext",
-                 "recorded", "transfer", "failed_load")
+                 "recorded", "transfer", "transfer_is_first", "failed_load")
 
     def __init__(self, index: int, req: Request):
         self.index = index
@@ -294,6 +294,7 @@ class _Live:
         self.hit_ext = 0
         self.recorded = False
         self.transfer = None
+        self.transfer_is_first = False
         self.failed_load = False
 
 
@@ -468,14 +469,7 @@ class _Loop:
     def _uncordon(self) -> None:
         still = []
         for live in self.cordoned:
-            try:
-                ready = live.transfer.is_complete()
-            except KVLoadFailed:
-                # The next alloc undoes the splice and keeps only the device hit.
-                self.load_failures += 1
-                live.failed_load = True
-                ready = True
-            if ready:
+            if self._landed(live, live.transfer):
                 live.transfer = None
                 self.running.append(live)
             else:
@@ -483,6 +477,34 @@ class _Loop:
         if len(still) != len(self.cordoned):
             self.running.sort(key=lambda live: live.admitted_at)
         self.cordoned = still
+
+    def _landed(self, live: _Live, transfer) -> bool:
+        """Whether ``live`` may leave the cordon: its onload (if any) completed or failed.
+
+        A failed onload (``KVLoadFailed`` from ``is_complete``) is counted, its
+        tokens leave the request's first-admission hit, and ``live.failed_load``
+        asks for another ``alloc`` (which undoes the splice) before the forward.
+        """
+        if transfer is None:
+            return True
+        try:
+            done = transfer.is_complete()
+        except KVLoadFailed:
+            self._load_failed(live)
+            return True
+        if done:
+            live.transfer_is_first = False
+        return done
+
+    def _load_failed(self, live: _Live) -> None:
+        self.load_failures += 1
+        live.failed_load = True
+        if live.transfer_is_first:
+            # The first admission's external tokens never arrived: not a hit.
+            dev, ext = self.hits[live.index]
+            self.hits[live.index] = (dev, 0)
+            self.hit_tokens -= ext
+            live.transfer_is_first = False
 
     def _schedule_running(self, batches, budget: int) -> int:
         """Schedule running requests oldest first; returns the token budget left."""
@@ -495,30 +517,31 @@ class _Loop:
                 continue
             if not self._alloc_running(live):
                 continue  # live left the running set; self.running shrank at i
-            if live.failed_load:
-                live.failed_load = False
-                self._settle_hit(live)
             budget = self._take(live, batches, budget)
             i += 1
         return budget
 
     def _alloc_running(self, live: _Live) -> bool:
         """``alloc`` a running request, preempting the youngest of its replica until
-        it fits; False if it left the running set (preempted itself, or cordoned)."""
+        it fits; False if it left the running set (preempted itself, or cordoned).
+
+        After a failed onload ``alloc`` runs again first: it undoes the splice."""
         while True:
+            live.failed_load = False
             try:
                 transfer = self.call("alloc", live.ctx)
-                break
             except InsufficientBlocksError:
                 victim = next(v for v in reversed(self.running) if v.replica == live.replica)
                 self._preempt(victim)
                 if victim is live:
                     return False
-        if transfer is not None and not transfer.is_complete():
-            self.running.remove(live)
-            self._cordon(live, transfer)
-            return False
-        return True
+                continue
+            if not self._landed(live, transfer):
+                self.running.remove(live)
+                self._cordon(live, transfer)
+                return False
+            if not live.failed_load:
+                return True
 
     def _cordon(self, live: _Live, transfer) -> None:
         # Spec (manager-semantics §9): an onload in flight keeps the request out of
@@ -556,10 +579,12 @@ class _Loop:
             self.admissions += 1
             if not live.recorded:
                 self._settle_hit(live)
-            if transfer is not None and not transfer.is_complete():
+            if not self._landed(live, transfer):
                 self._cordon(live, transfer)
                 continue
             self.running.append(live)
+            if live.failed_load:
+                continue  # runs after its next alloc (next step), which undoes the splice
             budget = self._take(live, batches, budget)
         return budget
 
@@ -591,19 +616,14 @@ class _Loop:
         )
 
     def _settle_hit(self, live: _Live) -> None:
-        """Record the request's first-admission hit, or lower it after a failed onload."""
+        """Record the request's hit at its first admission (device, external tokens)."""
         ctx = live.ctx
-        dev, ext = ctx.cached_prefix_length - ctx.cached_prefix_external_length, ctx.cached_prefix_external_length
-        if live.recorded:
-            # A failed onload: only the device part of the first hit stands.
-            old_dev, old_ext = self.hits[live.index]
-            dev, ext = min(old_dev, dev), 0
-            self.hit_tokens -= old_dev + old_ext
-        else:
-            live.recorded = True
-            self.hit_prompt_tokens += live.req.prompt_length
-        self.hits[live.index] = (dev, ext)
-        self.hit_tokens += dev + ext
+        ext = ctx.cached_prefix_external_length
+        self.hits[live.index] = (ctx.cached_prefix_length - ext, ext)
+        self.hit_tokens += ctx.cached_prefix_length
+        self.hit_prompt_tokens += live.req.prompt_length
+        live.recorded = True
+        live.transfer_is_first = True
 
     def _take(self, live: _Live, batches, budget: int) -> int:
         """Put ``live`` in its replica's batch, chunking its prefill to ``budget``."""
@@ -631,10 +651,12 @@ class _Loop:
         """Nothing could run this step: poll the manager, block on an onload if any."""
         self.call("poll_transfers")
         if self.cordoned:
+            live = self.cordoned[0]
             try:
-                self.cordoned[0].transfer.synchronize()
+                live.transfer.synchronize()
             except KVLoadFailed:
-                pass  # is_complete reports it at the next _uncordon
+                live.transfer = None  # resolved: _uncordon lets it through to its next alloc
+                self._load_failed(live)
         else:
             time.sleep(min(0.001 * (idle_waits + 1), 0.05))
             if idle_waits > 2000:

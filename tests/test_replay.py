@@ -580,3 +580,65 @@ def test_kvfast_and_kvref_replay_identically():
             assert ref["series"][key] == fast["series"][key], key
     assert runs[0].preemptions == 0 and ref["hit_tokens"] > 0
     assert replay(cases[0][0], cases[0][1]).preemptions > 0
+
+
+@pytest.mark.parametrize("pending_polls", [0, 2])
+def test_failed_onloads_are_counted_and_lose_their_external_hit(chat, monkeypatch, pending_polls):
+    import kvref
+    from kvspec import KVLoadFailed
+
+    class Failing:
+        """An onload in flight for ``pending_polls`` polls, then failed (reported once)."""
+
+        def __init__(self):
+            self.left, self.raised = pending_polls, False
+
+        def is_complete(self):
+            if self.left:
+                self.left -= 1
+                return False
+            if not self.raised:
+                self.raised = True
+                raise KVLoadFailed("injected: copy failed")
+            return True
+
+        def synchronize(self):
+            self.left = 0
+            self.is_complete()
+
+    failed = []
+
+    class Flaky(kvref.PagedKVCacheManager):
+        def alloc(self, ctx, **k):
+            t = super().alloc(ctx, **k)
+            if ctx.cached_prefix_external_length and ctx.request_id not in failed:
+                t.synchronize()  # the real copy lands; the scheduler sees a failure
+                failed.append(ctx.request_id)
+                return Failing()
+            return t
+
+    monkeypatch.setattr(replay_mod, "manager_class", lambda backend: (Flaky, "kvref"))
+    need, _ = required_blocks(chat, 16)
+    s = replay(chat, ReplayConfig(num_blocks=need + 40, host_bytes=4 << 20, max_batch_tokens=256, **TINY))
+    assert failed and s.load_failures == len(failed)
+    assert s.external_hit_tokens == 0  # every onload failed: only device hits stand
+    assert (max(s.series["cordoned"]) > 0) == bool(pending_polls)
+    assert 0 < s.device_hit_tokens <= s.ceiling_hit_tokens
+
+
+def test_report_table_json_and_bytes(chat, tmp_path):
+    from kvcache.report import format_bytes, format_table, write_json
+
+    assert [format_bytes(n) for n in (0, 1023, 1536, 5 << 20, 3 << 40)] == [
+        "0 B", "1023 B", "1.5 KiB", "5.0 MiB", "3.0 TiB"]
+    s = replay(chat[:4], ReplayConfig(backend="kvref", **TINY), workload="four chats")
+    table = format_table(s)
+    assert table.splitlines()[0] == "kvcache replay: four chats, backend kvref"
+    assert "failed onloads" not in table
+    s.load_failures = 2
+    assert "failed onloads" in format_table(s)
+    path = tmp_path / "s.json"
+    write_json(s, path, config={"page_size": 16})
+    doc = json.loads(path.read_text())
+    assert doc["config"] == {"page_size": 16} and doc["load_failures"] == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["s.json"]
