@@ -232,7 +232,7 @@ def _cmd_replay(args) -> int:
     nblocks = config.blocks_per_replica()
     if nblocks < 2:
         raise UsageError(f"--device-bytes={args.device_bytes} holds {nblocks} blocks of "
-                         f"{config.params('unused').page_bytes()} bytes, must hold >= 2")
+                         f"{config.page_bytes()} bytes, must hold >= 2")
     if args.trace is not None:
         requests = read_mooncake_trace(args.trace, num_requests=args.num_requests, seed=args.seed)
         label = f"trace {os.path.basename(args.trace)}"

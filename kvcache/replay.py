@@ -32,7 +32,6 @@ import collections
 import importlib
 import math
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -43,7 +42,7 @@ import numpy as np
 from kvspec import InsufficientBlocksError, KVCacheParams, KVLoadFailed, TextContext
 from kvspec._config import check_int, parse_device
 
-from .ceiling import Ceiling, infinite_cache_ceiling
+from .ceiling import infinite_cache_ceiling
 from .workload import Request
 
 __all__ = ["BACKENDS", "ReplayConfig", "ReplayError", "ReplayStats", "manager_class", "replay", "required_blocks"]
@@ -155,8 +154,12 @@ class ReplayConfig:
         if self.num_blocks is not None:
             return self.num_blocks
         if self.device_bytes is not None:
-            return self.device_bytes // self.params("unused").page_bytes()
+            return self.device_bytes // self.page_bytes()
         return 2048
+
+    def page_bytes(self) -> int:
+        """Bytes of one device page: ``2 * num_layers * page_size * kv_heads * head_dim * itemsize``."""
+        return KVCacheParams(self.page_size, self.num_layers, self.kv_heads, self.head_dim, self.dtype).page_bytes()
 
     def inflight_limit(self) -> int:
         return self.max_inflight if self.max_inflight is not None else self.max_batch_size * self.replicas
@@ -280,8 +283,8 @@ class ReplayStats:
 class _Live:
     """Scheduler state of one request."""
 
-    __slots__ = ("index", "req", "ctx", "replica", "generated", "admitted_at", "hit_dev", "hit_ext",
-                 "recorded", "transfer", "transfer_is_first", "failed_load")
+    __slots__ = ("index", "req", "ctx", "replica", "generated", "admitted_at", "recorded", "transfer",
+                 "transfer_is_first", "failed_load")
 
     def __init__(self, index: int, req: Request):
         self.index = index
@@ -290,8 +293,6 @@ class _Live:
         self.replica = -1
         self.generated = 0
         self.admitted_at = -1
-        self.hit_dev = 0
-        self.hit_ext = 0
         self.recorded = False
         self.transfer = None
         self.transfer_is_first = False

@@ -81,7 +81,7 @@ def write_json(stats: ReplayStats, path: str | os.PathLike, config: dict | None 
 def check_plot_available() -> None:
     """Raise ``ImportError`` with an install hint when matplotlib is missing."""
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # noqa: F401  (availability check)
     except ImportError:
         raise ImportError('--plot needs matplotlib: pip install "kvcache[plot]"') from None
 
