@@ -384,6 +384,28 @@ def test_write_error_mid_file_leaves_no_temp(tmp_path, params, monkeypatch):
     conn.shutdown()
 
 
+def test_disk_dir_below_a_file_cannot_be_opened(tmp_path, params):
+    (tmp_path / "afile").write_text("x")
+    conn = TieredConnector(host_bytes=0, disk_bytes=10**6, disk_dir=tmp_path / "afile" / "kv")
+    with pytest.raises(ValueError, match="cannot be opened"):
+        conn.attach([np.zeros((4,) + params.page_shape, np.float16)], params)
+    assert conn.disk_byte_count().total == 0
+
+
+def test_write_back_eviction_to_a_failing_disk_is_dropped_and_counted(tmp_path, params):
+    conn, buf = connector(tmp_path, params, host_blocks=1, write_policy="write_back")
+    hs, toks = chain(2)
+    (tmp_path / "kv" / hs[0].hex()[:2]).write_text("in the way")  # h0's file cannot be written
+    put(buf, [1, 2], hs)
+    conn.offload([1], hs[:1], toks[:1]).synchronize()
+    conn.offload([2], hs[1:], toks[1:]).synchronize()  # evicts h0 from host; its write-back fails
+    assert conn.metrics.connector_offload_blocks_dropped == 1
+    assert conn.tier_stats().disk_write_errors == 1
+    assert conn.held_in(hs[0]) == frozenset() and conn.held_in(hs[1]) == frozenset({"host"})
+    conn.check_invariants()
+    conn.shutdown()
+
+
 # --------------------------------------------------------------------------- write policies
 
 
@@ -646,3 +668,111 @@ def test_end_to_end_restarted_manager_hits(tmp_path):
     m2.check_invariants()
     m2.release(ctx)
     m2.shutdown()
+
+
+# --------------------------------------------------------------------------- a state machine over the connector alone
+
+
+from hypothesis import note  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule  # noqa: E402
+
+#: Token stems: chains share their first blocks, so hashes collide across chains.
+_CHAINS = [
+    np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], dtype=np.int32),
+    np.array([1, 2, 3, 4, 5, 6, 7, 8, 0, 0, 0, 0, 1, 1, 1, 1], dtype=np.int32),
+    np.array([9, 9, 9, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], dtype=np.int32),
+]
+
+
+class DiskConnectorMachine(RuleBasedStateMachine):
+    """Offload, load, corrupt files, restart the process, reset: a load either
+    returns exactly the offloaded bytes or fails; never anything else."""
+
+    def __init__(self):
+        super().__init__()
+        import tempfile
+
+        self.root = Path(tempfile.mkdtemp(prefix="kvdisk-")) / "kv"
+        self.params = make_params()
+        self.hs = [block_hashes(c, PS) for c in _CHAINS]
+        self.toks = [c.reshape(-1, PS) for c in _CHAINS]
+        self.ever: set[bytes] = set()  # offloaded since the last reset
+        self.conn = None
+
+    def _open(self):
+        file_bytes = header_len(PS) + self.params.page_bytes()
+        self.conn = TieredConnector(
+            2 * self.params.page_bytes(), 5 * file_bytes, self.root, write_policy=self.policy, num_workers=2
+        )
+        self.buf = np.zeros((24,) + self.params.page_shape, self.params.np_dtype)
+        self.conn.attach([self.buf], self.params)
+
+    @initialize(policy=st.sampled_from(["write_through", "write_back"]))
+    def start(self, policy):
+        self.policy = policy
+        self._open()
+
+    def teardown(self):
+        import shutil
+
+        if self.conn is not None:
+            self.conn.shutdown()
+        shutil.rmtree(self.root.parent, ignore_errors=True)
+
+    @rule(c=st.integers(0, len(_CHAINS) - 1), n=st.integers(1, 4))
+    def offload(self, c, n):
+        note(f"offload chain {c} blocks [0, {n})")
+        ids = list(range(1, n + 1))
+        put(self.buf, ids, self.hs[c][:n])
+        self.conn.offload(ids, self.hs[c][:n], self.toks[c][:n]).synchronize()
+        self.ever.update(self.hs[c][:n])
+
+    @rule(c=st.integers(0, len(_CHAINS) - 1))
+    def load(self, c):
+        n = self.conn.lookup(self.hs[c], self.toks[c])
+        assert all(h in self.ever for h in self.hs[c][:n]), "hit on a block never offloaded"
+        if not n:
+            return
+        ids = list(range(10, 10 + n))
+        self.buf[10 : 10 + n] = 0
+        note(f"load chain {c} blocks [0, {n})")
+        try:
+            self.conn.load(ids, self.hs[c][:n], self.toks[c][:n]).synchronize()
+        except KVLoadFailed:
+            return  # a corrupted file: refused, and it is gone now
+        assert holds_pattern(self.buf, ids, self.hs[c][:n])
+
+    @rule(c=st.integers(0, len(_CHAINS) - 1), i=st.integers(0, 3), offset=st.integers(0, 400))
+    def corrupt_file(self, c, i, offset):
+        path = self.root / self.hs[c][i].hex()[:2] / f"{self.hs[c][i].hex()}.kvb"
+        if not path.exists():
+            return
+        data = bytearray(path.read_bytes())
+        data[offset % len(data)] ^= 0x5A
+        note(f"corrupt byte {offset % len(data)} of chain {c} block {i}")
+        path.write_bytes(bytes(data))
+
+    @rule()
+    def restart(self):
+        note("restart the process")
+        self.conn.shutdown()
+        self._open()
+
+    @rule()
+    def reset(self):
+        note("reset_prefix_cache()")
+        self.conn.reset_prefix_cache()
+        self.ever.clear()
+
+    @invariant()
+    def consistent(self):
+        if self.conn is None:
+            return
+        settle(self.conn)  # background promotions (and their write-back writes) finish
+        self.conn.check_invariants()
+        assert self.conn.disk_byte_count().used <= self.conn.disk_byte_count().total
+        assert not list(self.root.glob("??/.*.tmp"))
+
+
+test_disk_connector_machine = DiskConnectorMachine.TestCase
