@@ -1,0 +1,202 @@
+"""The conformance suite as a product: it passes on kvref, fails on every
+deliberately broken backend, its plugin options work, and the golden vectors
+regenerate byte-identically.
+
+The suite runs in subprocesses (``python -m pytest --pyargs kvspec.conformance``)
+exactly as a backend author runs it, from the installed package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvref
+from kvspec import vectors
+from kvspec.conformance import CAPABILITIES, Backend, resolve_backend
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Each broken backend and the spec rule it breaks (tests/broken_backends/<module>.py).
+BROKEN = {
+    "off_by_one_slot_mapping": "slot_mapping of a step's last token",
+    "unverified_prefix_hit": "prefix hit without token verification under a forced hash collision",
+    "non_atomic_reserve": "a failed reservation keeps the rows that fit",
+    "head_first_eviction": "release frees head first",
+    "no_state_zeroing": "evict_batch keeps state slabs",
+    "publish_before_onload": "a loaded page is published before its onload lands",
+    "lut_padded_with_live_block": "lookup table padded with a live block instead of the null block",
+    "last_token_hashed": "the prompt's last token counts toward a prefix hit",
+}
+
+
+def run_suite(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m pytest --pyargs kvspec.conformance ARGS`` from the repository root."""
+    cmd = [sys.executable, "-m", "pytest", "--pyargs", "kvspec.conformance", "-p", "no:cacheprovider",
+           "-p", "no:randomly", "--kv-quick", "--kv-no-shrink", "--hypothesis-seed=0", *args]
+    drop = ("KVCACHE_BACKEND", "KVCACHE_XFAIL", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER")
+    full_env = {k: v for k, v in os.environ.items() if k not in drop}
+    full_env.update(env or {})
+    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=600)
+
+
+def _tail(proc: subprocess.CompletedProcess, n: int = 40) -> str:
+    return "\n".join((proc.stdout + proc.stderr).splitlines()[-n:])
+
+
+# ---------------------------------------------------------------- the suite on kvref and on broken backends
+
+
+def test_suite_passes_on_kvref():
+    proc = run_suite("--kv-backend=kvref")
+    assert proc.returncode == 0, _tail(proc)
+    assert "kvcache backend: kvref" in proc.stdout, "report header must name the backend"
+    assert "capabilities: contiguous, cross, invariants" in proc.stdout, proc.stdout[:2000]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout
+
+
+_DRIVER = """
+import json, sys
+import pytest
+common = json.loads(sys.argv[1])
+results = {}
+for module in json.loads(sys.argv[2]):
+    results[module] = int(pytest.main([*common, f"--kv-backend=tests.broken_backends.{module}:factory"]))
+print("KV-RESULTS " + json.dumps(results))
+"""
+
+
+def run_broken(modules, *args: str) -> dict[str, int]:
+    """Run the suite once per broken backend inside one Python process (pytest.main
+    per backend: one interpreter start instead of eight). Returns exit codes."""
+    import json
+
+    common = ["--pyargs", "kvspec.conformance", "-q", "-p", "no:cacheprovider", "--kv-quick", "--kv-no-shrink",
+              "--hypothesis-seed=0", "-x", *args]
+    drop = ("KVCACHE_BACKEND", "KVCACHE_XFAIL", "PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    proc = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(common), json.dumps(sorted(modules))],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    line = [l for l in proc.stdout.splitlines() if l.startswith("KV-RESULTS ")]
+    assert line, _tail(proc)
+    return json.loads(line[-1][len("KV-RESULTS "):]), proc
+
+
+def test_suite_catches_every_broken_backend():
+    codes, proc = run_broken(BROKEN)
+    missed = {m: BROKEN[m] for m, rc in codes.items() if rc != 1}
+    assert not missed, f"the suite passed (or errored) on broken backends {missed}: {codes}\n{_tail(proc, 60)}"
+
+
+def test_state_machines_alone_catch():
+    """The differential state machines find these bugs without any directed test."""
+    codes, proc = run_broken(["off_by_one_slot_mapping", "head_first_eviction"], "-k", "machine")
+    assert codes == {"head_first_eviction": 1, "off_by_one_slot_mapping": 1}, f"{codes}\n{_tail(proc, 60)}"
+
+
+# ---------------------------------------------------------------- plugin behaviour
+
+
+def contiguous_only() -> Backend:
+    """kvref declaring only the contiguous slot cache (a capability-skip fixture)."""
+    return dataclasses.replace(kvref.conformance_backend(), name="kvref-contiguous-only",
+                               capabilities=frozenset({"contiguous", "strict_block_ids", "invariants"}),
+                               collide_hashes=None)
+
+
+def test_undeclared_capabilities_skip_with_a_reason():
+    proc = run_suite("--kv-backend=tests.test_conformance:contiguous_only", "-rs", "-k", "not machine")
+    assert proc.returncode == 0, _tail(proc)
+    assert "does not declare paged" in proc.stdout and "does not declare manager" in proc.stdout, _tail(proc, 80)
+    assert "kvcache backend: kvref-contiguous-only" in proc.stdout
+
+
+def test_expected_failures_file(tmp_path):
+    xfail = tmp_path / "xfail.txt"
+    xfail.write_text(
+        "# known departures of this backend\n"
+        "test_slot_cache.py::test_last_token_is_never_a_hit   # hashes the whole prompt\n"
+        "test_manager.py::test_repeat_prompt\n"
+        "test_vectors.py::test_replay\n"
+        "test_nothing.py::test_gone\n",
+        encoding="utf-8",
+    )
+    proc = run_suite("--kv-backend=tests.broken_backends.last_token_hashed:factory", f"--kv-xfail={xfail}",
+                     "-k", "not machine")
+    assert proc.returncode == 0, _tail(proc)
+    assert " xfailed" in proc.stdout and " failed" not in proc.stdout, _tail(proc)
+    assert "1 entries matched no collected test" in proc.stdout and "test_nothing.py::test_gone" in proc.stdout
+
+
+def test_backend_from_environment():
+    proc = run_suite("-k", "test_make_starts_empty", env={"KVCACHE_BACKEND": "tests.test_conformance:contiguous_only"})
+    assert proc.returncode == 0, _tail(proc)
+    assert "kvcache backend: kvref-contiguous-only" in proc.stdout
+
+
+def test_unknown_backend_is_a_usage_error():
+    proc = run_suite("--kv-backend=no_such_backend")
+    assert proc.returncode == 4, _tail(proc)
+    assert "not registered in 'kvcache.backends'" in proc.stderr + proc.stdout
+
+
+# ---------------------------------------------------------------- the Backend contract
+
+
+def test_backend_validation():
+    base = kvref.conformance_backend()
+    with pytest.raises(ValueError, match=r"capabilities has 'paging'"):
+        dataclasses.replace(base, capabilities=frozenset({"paging"}))
+    with pytest.raises(ValueError, match=r"make_cache=None but capabilities declare a slot cache"):
+        dataclasses.replace(base, make_cache=None)
+    with pytest.raises(ValueError, match=r"make_manager=None but capabilities declare 'manager'"):
+        dataclasses.replace(base, make_manager=None)
+    with pytest.raises(ValueError, match=r"devices\[0\]"):
+        dataclasses.replace(base, devices=("tpu",))
+    with pytest.raises(TypeError, match=r"name=''"):
+        dataclasses.replace(base, name="")
+    with pytest.raises(ValueError, match="has no callable append_kv"):
+        dataclasses.replace(base, ops=object())
+    assert base.capabilities == frozenset(CAPABILITIES) and base.device == "cpu"
+    assert base.missing("paged", "tiers") == [] and base.supports("manager")
+
+
+def test_resolve_backend():
+    assert resolve_backend("kvref").name == "kvref"
+    assert resolve_backend("kvref:conformance_backend").name == "kvref"
+    assert resolve_backend("tests.test_conformance:contiguous_only").capabilities == {"contiguous", "strict_block_ids", "invariants"}
+    with pytest.raises(ValueError, match="not registered"):
+        resolve_backend("nope")
+    with pytest.raises(TypeError, match="must return a kvspec.conformance.Backend"):
+        resolve_backend("kvref:__version__")
+    with pytest.raises(ValueError, match="module:factory"):
+        resolve_backend("kvref:")
+
+
+# ---------------------------------------------------------------- golden vectors
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("gen_vectors", ROOT / "spec" / "tools" / "gen_vectors.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_vectors_regenerate_byte_identically():
+    files = _generator().build_all()
+    assert sorted(files) == vectors.names(), f"generator writes {sorted(files)}, kvspec.vectors has {vectors.names()}"
+    for name, text in files.items():
+        assert vectors.read_bytes(name) == text.encode("utf-8"), f"spec/vectors/{name} differs from a fresh kvref run"
+
+
+def test_vectors_ship_as_package_data():
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    assert '"kvspec.vectors" = "spec/vectors"' in text and '"kvspec.vectors" = ["*.json"]' in text
+    assert 'kvspec_conformance = "kvspec.conformance.plugin"' in text
