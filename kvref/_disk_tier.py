@@ -250,7 +250,7 @@ class DiskTier:
                 raise ValueError(
                     f"{owner}: disk_dir={str(self.root)!r} has format version={have_ver}, this cache writes {FORMAT_VERSION}"
                 )
-            # Spec tiers §3: a directory of another algorithm or geometry is refused, never mixed.
+            # Spec tiers §2: a directory of another algorithm or geometry is refused, never mixed.
             if have_algo != self.hash_algo:
                 raise ValueError(
                     f"{owner}: disk_dir={str(self.root)!r} was written with hash_algo={have_algo!r}, "
@@ -280,11 +280,12 @@ class DiskTier:
                 continue
             for f in os.scandir(top.path):
                 if f.name.startswith(".") and f.name.endswith(TEMP_SUFFIX):
-                    # a write that never reached os.replace (the writer died)
+                    # Spec tiers §7: a write that never reached os.replace (the writer died)
                     _unlink(f.path)
                     found.temp_removed += 1
                     continue
                 m = self._name_re.match(f.name)
+                # Spec tiers §7: foreign files are counted and never touched
                 if m is None or not f.is_file(follow_symlinks=False) or m.group(1)[:2] != top.name:
                     found.foreign += 1
                     continue

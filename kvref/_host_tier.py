@@ -83,7 +83,7 @@ class HostTier:
         e = self._index.get(block_hash)
         if e is None or e.dead or e.state != "ready":
             return None
-        # Spec §6: a hash is a key, never a proof; the stored tokens must match.
+        # DESIGN §6: a hash is a key, never a proof; the stored tokens must match.
         if not np.array_equal(e.tokens, tokens):
             return None
         return e

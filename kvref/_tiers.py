@@ -435,12 +435,17 @@ class TieredConnector:
     def touch(self, hashes: Sequence[bytes], replica_idx: int = 0) -> None:
         """Re-rank blocks served from the device: ``hashes`` is root-anchored,
         and the head of the chain ends up most recently used, so a chain's
-        tail is evicted before its head (as on the device, DESIGN §4.2)."""
+        tail is evicted before its head (as on the device, DESIGN §4.2).
+
+        Raises ``TypeError``/``ValueError`` for bad hashes, ``IndexError`` for
+        ``replica_idx``, ``RuntimeError`` before attach or after shutdown;
+        state is unchanged."""
         o = "TieredConnector.touch"
         self._check_attached(o)
         self._check_replica(o, replica_idx)
         hs = self._check_hashes(o, hashes)
         with self._lock:
+            # Spec tiers §3: iterate tail first so the head ends up most recent.
             self._host.touch(reversed(hs))
             if self._disk is not None:
                 self._disk.touch(reversed(hs))
@@ -461,6 +466,7 @@ class TieredConnector:
         o = "TieredConnector.reset_prefix_cache"
         self._check_open(o)
         with self._lock:
+            # Spec tiers §9: reset deletes this tier's block files (shutdown keeps them).
             self._epoch += 1
             if self._host is not None:
                 self._host.clear()
@@ -642,7 +648,7 @@ class TieredConnector:
             src = pages[bid]
             with self._lock:
                 if epoch != self._epoch:
-                    return  # Spec tiers §4: a reset forgets offloads posted before it
+                    return  # Spec tiers §9: a reset forgets offloads posted before it
                 in_host = host.has_entry(h)
                 host_e, evicted = (None, []) if in_host else host.reserve(h, t, copy_evicted=write_back)
                 host_ok = in_host or host_e is not None
