@@ -2,9 +2,10 @@
 
 Every failure a user can cause (a missing file, a malformed trace line, an
 impossible size) prints one line, ``kvcache: error: ...``, to stderr and
-exits non-zero: 2 for bad input, 1 when the run itself cannot go on. An
-unexpected exception is reported the same way with exit code 70; run with
-``--traceback`` to see where it came from.
+exits non-zero: 2 for bad input, 1 when the run itself cannot go on (a
+``RuntimeError``: no manager in the backend, no GPU for ``--device cuda``,
+a request that never fits). Any other exception is reported the same way
+with exit code 70; ``--traceback`` shows where it came from.
 """
 
 from __future__ import annotations
@@ -178,13 +179,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _classify(e: Exception) -> tuple[int, str]:
-    from .replay import ReplayError
     from .workload import WorkloadError
 
     msg = " ".join(str(e).split()) or type(e).__name__
     if isinstance(e, (UsageError, WorkloadError)):
         return EXIT_USAGE, msg
-    if isinstance(e, (ReplayError, CommandUnavailable)):
+    if isinstance(e, (RuntimeError, CommandUnavailable)):
+        # ReplayError, and a backend refusing the environment (no GPU for device='cuda').
         return EXIT_FAILURE, msg
     if isinstance(e, (ValueError, TypeError, ImportError)):
         return EXIT_USAGE, msg

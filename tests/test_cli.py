@@ -268,6 +268,21 @@ def test_replay_error_when_the_head_never_fits(capsys, monkeypatch):
     assert got == 1 and one_error_line(err) == "replay: request r does not fit replica 0"
 
 
+def test_backend_refusing_the_device_is_one_line(capsys, monkeypatch):
+    import kvref
+
+    class NoGpu(kvref.PagedKVCacheManager):
+        def __init__(self, *a, **k):
+            raise RuntimeError("PagedKVCacheManager: device='cuda:0' needs CuPy and a GPU")
+
+    import kvcache.replay
+
+    monkeypatch.setattr(kvcache.replay, "manager_class", lambda backend: (NoGpu, "kvref"))
+    got, out, err = run(capsys, "replay", "--device", "cuda", "--num-requests", "2", *TINY)
+    assert got == 1 and out == ""
+    assert one_error_line(err) == "PagedKVCacheManager: device='cuda:0' needs CuPy and a GPU"
+
+
 def test_help_and_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
