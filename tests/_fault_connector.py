@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from kvspec import CompletedTransfer, KVCacheMetrics
+from kvspec import CompletedTransfer, KVCacheMetrics, TextContext
 from kvspec.errors import KVLoadFailed, KVLoadRefused
 
 __all__ = ["FaultConnector", "GatedTransfer", "kv_values", "write_forward", "LOAD_FAULTS"]
@@ -106,13 +106,22 @@ class FaultConnector:
         The real connector (e.g. ``TieredConnector``).
     gated : bool
         Handles complete only after ``land()`` (see the module docstring).
+    load_faults : mapping of int to str, optional
+        ``{k: fault}``: the k-th ``load`` call (1-based) does ``fault``.
+    lookup_misses : set of int, optional
+        The k-th ``lookup`` calls (1-based) report a miss.
     """
 
     name = "fault"
 
-    def __init__(self, inner, *, gated: bool = False):
+    def __init__(self, inner, *, gated: bool = False, load_faults=None, lookup_misses=()):
+        for k, f in dict(load_faults or {}).items():
+            if f not in LOAD_FAULTS:
+                raise ValueError(f"FaultConnector: load_faults[{k}]={f!r}, must be one of {LOAD_FAULTS}")
         self.inner = inner
         self.gated = gated
+        self.load_faults = dict(load_faults or {})
+        self.lookup_misses = set(lookup_misses)
         self.buffers: list[np.ndarray] = []
         self.lookups = 0
         self.loads = 0
@@ -169,7 +178,7 @@ class FaultConnector:
 
     def lookup(self, hashes, tokens, replica_idx: int = 0) -> int:
         self.lookups += 1
-        if self._refuse_next_lookup:
+        if self._refuse_next_lookup or self.lookups in self.lookup_misses:
             self._refuse_next_lookup = False
             self.injected.append("lookup_miss")
             return 0
@@ -178,6 +187,7 @@ class FaultConnector:
     def load(self, block_ids, hashes, tokens, replica_idx: int = 0):
         self.loads += 1
         fault, self._next_load_fault = self._next_load_fault, None
+        fault = self.load_faults.get(self.loads, fault)
         if fault is not None:
             self.injected.append(fault)
         if fault == "refuse" and len(block_ids):
@@ -271,3 +281,21 @@ def run_request(manager, ctx, decode_steps: int = 0, *, replica_idx: int = 0, re
     if release:
         manager.release(ctx)
     return first
+
+
+def flush_device(manager, replica_idx: int = 0) -> None:
+    """Evict every unreferenced page from a replica's device prefix cache:
+    one-block filler requests (``page_size`` tokens: nothing hashed, so the
+    connector is never asked) take every free page and give them back
+    unpublished."""
+    page = manager.params.page_size
+    fillers = []
+    try:
+        for i in range(manager.block_count(replica_idx).free):
+            ctx = TextContext(f"__filler{i}", np.full(page, 10**6 + i, dtype=np.int32))
+            manager.claim(ctx, replica_idx)
+            fillers.append(ctx)
+            manager.alloc(ctx)
+    finally:
+        for ctx in fillers:
+            manager.release(ctx)

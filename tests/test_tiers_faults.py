@@ -18,6 +18,7 @@ import pytest
 from _fault_connector import (
     LOAD_FAULTS,
     FaultConnector,
+    flush_device,
     kv_values,
     next_token,
     run_request,
@@ -214,6 +215,35 @@ def test_forward_past_a_failed_load_makes_alloc_raise(primed):
     no_leak(m)
 
 
+def test_kth_load_fails_and_kth_lookup_misses(tmp_path):
+    """Fail the 2nd load and miss the 3rd lookup; the others are served from the tiers."""
+    p = make_params()
+    first = PagedKVCacheManager(p, num_blocks=12, max_batch_size=2, max_seq_len=32,
+                                connector=TieredConnector(0, 10**6, tmp_path / "kv"))
+    run_request(first, TextContext("prime", PROMPT))
+    first.shutdown()
+    fc = FaultConnector(TieredConnector(0, 10**6, tmp_path / "kv"), load_faults={2: "fail_later"},
+                        lookup_misses={3})
+    m = PagedKVCacheManager(p, num_blocks=12, max_batch_size=2, max_seq_len=32, connector=fc)
+    ext = []
+    for i in range(4):
+        ctx = TextContext(f"r{i}", PROMPT)
+        m.claim(ctx)
+        try:
+            m.alloc(ctx).synchronize()
+        except KVLoadFailed:
+            m.alloc(ctx)  # re-splices the device hit only
+        ext.append(ctx.cached_prefix_external_length)
+        m.release(ctx)
+        settle_manager(m)
+        flush_device(m)  # the next request must go to the tiers again
+    assert fc.loads == 3 and fc.lookups == 4
+    assert ext == [8, 0, 0, 8]
+    assert m.get_metrics_aggregated().connector_load_failures == 1
+    no_leak(m)
+    m.shutdown()
+
+
 # --------------------------------------------------------------------------- the state machine
 
 
@@ -365,24 +395,10 @@ class TieredFaultMachine(RuleBasedStateMachine):
 
     @rule()
     def flush_device(self):
-        """Evict every unreferenced page from the device prefix cache (fillers
-        take every free page and give them back unpublished), so the next
-        admissions can only hit in the tiers."""
-        free = self.m.block_count().free
-        note(f"flush the device cache: fillers take {free} blocks")
-        fillers = []
-        try:
-            while free:
-                n = min(free, 16 // PS)
-                ctx = TextContext(f"filler{self.n}", np.arange(1000, 1000 + n * PS - 1, dtype=np.int32))
-                self.n += 1
-                self.m.claim(ctx)
-                fillers.append(ctx)
-                self.m.alloc(ctx)
-                free -= n
-        finally:
-            for ctx in fillers:
-                self.m.release(ctx)
+        """Evict every unreferenced page from the device prefix cache, so the
+        next admissions can only hit in the tiers."""
+        note(f"flush the device cache ({self.m.block_count().free} free blocks)")
+        flush_device(self.m)
 
     @rule()
     def land(self):
