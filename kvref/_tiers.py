@@ -393,7 +393,7 @@ class TieredConnector:
             self._host.touch(reversed(hs))
             if self._disk is not None:
                 self._disk.touch(reversed(hs))
-            return self._submit("load", self._run_load, pages, ids, hs, toks, plan)
+            return self._submit("load", self._run_load, pages, ids, hs, toks, plan, self._epoch)
 
     def offload(
         self, block_ids: Sequence[int], hashes: Sequence[bytes], tokens: np.ndarray, replica_idx: int = 0
@@ -594,7 +594,7 @@ class TieredConnector:
             if err is not None:
                 raise RuntimeError(f"TieredConnector.poll_transfers: background work raised {err!r}") from err
 
-    def _run_load(self, pages, ids, hs, toks, plan) -> None:
+    def _run_load(self, pages, ids, hs, toks, plan, epoch: int) -> None:
         host, disk, pb = self._host, self._disk, self._page_bytes
         promote: list[tuple[bytes, np.ndarray, np.ndarray]] = []
         try:
@@ -625,7 +625,8 @@ class TieredConnector:
                 for tier, e in plan:
                     (host if tier == "host" else disk).unpin(e)
                 if promote and host.num_slots and self._executor is not None:
-                    self._background.append(self._executor.submit(self._promote, promote, self._epoch))
+                    # Spec tiers §9: a reset after the post forgets these blocks too
+                    self._background.append(self._executor.submit(self._promote, promote, epoch))
 
     def _promote(self, blocks, epoch: int) -> None:
         """Copy blocks read from disk into host slots (background)."""
