@@ -43,13 +43,15 @@ MOONCAKE_BLOCK_TOKENS = 512
 #: Vocabulary of the built-in workload (token ids ``1 .. CHAT_VOCAB-1``).
 CHAT_VOCAB = 32000
 
-# Trace tokens are drawn from the whole positive int32 range, so two different
-# hash ids never agree on a leading token by chance (prefix identity at page size 1).
-_TRACE_TOKEN_HIGH = 2**31 - 1
+# Trace tokens cover the positive int32 range, so two different hash ids
+# practically never agree on a leading token (prefix identity at page size 1).
+_TRACE_TOKEN_MOD = 2**31 - 2  # tokens are 1 .. 2**31 - 2
 
-# SeedSequence domains: shared blocks vs tokens private to one request.
+# Key domains of the token mapping: shared blocks vs tokens private to one request.
 _DOMAIN_BLOCK = 0
 _DOMAIN_PRIVATE = 1
+
+_U64 = np.uint64
 
 
 class WorkloadError(ValueError):
@@ -168,11 +170,12 @@ def read_mooncake_trace(path: str | os.PathLike, *, num_requests: int | None = N
     ``len == ceil(input_length / 512)``). Requests are ordered by timestamp,
     file order for ties.
 
-    Token mapping (the spec decision, see ``docs/replay.md``): hash id ``h``
-    becomes 512 token ids drawn from ``SeedSequence([seed, 0, h])``; a full
-    last block does too; a partial last block, and the output tokens, are
-    drawn from ``SeedSequence([seed, 1, line])`` and so are unique to the
-    request. A request generates ``max(output_length, 1)`` tokens (a prefill
+    Token mapping (the spec decision, see ``docs/replay.md``): token ``j`` of
+    hash id ``h`` is ``splitmix64(splitmix64(2 * seed) ^ (h * 512 + j)) % (2**31 - 2) + 1``,
+    so every block with id ``h`` holds the same 512 tokens; a full last
+    block does too. A partial last block, and then the output tokens, take
+    ``splitmix64(splitmix64(2 * seed + 1) ^ (line * 2**32 + j))`` instead, so
+    they are unique to the request. A request generates ``max(output_length, 1)`` tokens (a prefill
     always samples one).
 
     Parameters
@@ -218,8 +221,7 @@ def read_mooncake_trace(path: str | os.PathLike, *, num_requests: int | None = N
     records.sort(key=lambda rec: rec[1]["timestamp"])  # stable: file order for ties
     if num_requests is not None:
         records = records[:num_requests]
-    blocks: dict[int, np.ndarray] = {}
-    return [_trace_request(lineno, rec, seed, blocks) for lineno, rec in records]
+    return [_trace_request(lineno, rec, seed) for lineno, rec in records]
 
 
 def _parse_trace_line(path, lineno: int, line: str) -> dict:
@@ -254,25 +256,35 @@ def _parse_trace_line(path, lineno: int, line: str) -> dict:
     return rec
 
 
-def _trace_block(seed: int, hash_id: int, cache: dict[int, np.ndarray]) -> np.ndarray:
-    block = cache.get(hash_id)
-    if block is None:
-        rng = np.random.default_rng(np.random.SeedSequence([seed, _DOMAIN_BLOCK, hash_id]))
-        block = rng.integers(1, _TRACE_TOKEN_HIGH, size=MOONCAKE_BLOCK_TOKENS, dtype=np.int32)
-        cache[hash_id] = block
-    return block
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser, element-wise on uint64 (a bijection, wrapping arithmetic)."""
+    x = x + _U64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> _U64(27))) * _U64(0x94D049BB133111EB)
+    return x ^ (x >> _U64(31))
 
 
-def _trace_request(lineno: int, rec: dict, seed: int, cache: dict[int, np.ndarray]) -> Request:
+def _trace_tokens(seed: int, domain: int, keys, length: int, stride: int) -> np.ndarray:
+    """int32 [len(keys) * length]: token ``j`` of key ``k`` is a pure function of
+    ``(seed, domain, k * stride + j)``; distinct ``(k, j)`` with ``j < stride`` never share an input."""
+    base = _splitmix64(np.array([seed * 2 + domain], dtype=_U64))[0]
+    idx = np.asarray(keys, dtype=_U64)[:, None] * _U64(stride) + np.arange(length, dtype=_U64)
+    mixed = _splitmix64(idx.ravel() ^ base)
+    return (mixed % _U64(_TRACE_TOKEN_MOD) + _U64(1)).astype(np.int32)
+
+
+def _trace_request(lineno: int, rec: dict, seed: int) -> Request:
     n_in, ids = rec["input_length"], rec["hash_ids"]
     tail = n_in - MOONCAKE_BLOCK_TOKENS * (len(ids) - 1)  # 1 .. 512 tokens in the last block
     # Spec (replay): a partial last block is private to the request (its id
     # never appears as a non-last block), a full one keeps its id's tokens.
     shared = ids if tail == MOONCAKE_BLOCK_TOKENS else ids[:-1]
-    private = np.random.default_rng(np.random.SeedSequence([seed, _DOMAIN_PRIVATE, lineno]))
-    parts = [_trace_block(seed, h, cache) for h in shared]
+    n_out = max(rec["output_length"], 1)
+    # Private tokens: the partial tail, then the outputs, all keyed by the line.
+    private = _trace_tokens(seed, _DOMAIN_PRIVATE, [lineno], MOONCAKE_BLOCK_TOKENS + n_out, 2**32)
+    B = MOONCAKE_BLOCK_TOKENS
+    prompt = _trace_tokens(seed, _DOMAIN_BLOCK, shared, B, B) if shared else private[:0]
     if tail != MOONCAKE_BLOCK_TOKENS:
-        parts.append(private.integers(1, _TRACE_TOKEN_HIGH, size=tail, dtype=np.int32))
-    output = private.integers(1, _TRACE_TOKEN_HIGH, size=max(rec["output_length"], 1), dtype=np.int32)
-    return Request(f"trace-{lineno:06d}", np.concatenate(parts), output, rec["timestamp"] / 1000.0)
-
+        prompt = np.concatenate([prompt, private[:tail]])
+    output = private[MOONCAKE_BLOCK_TOKENS:]
+    return Request(f"trace-{lineno:06d}", prompt, output, rec["timestamp"] / 1000.0)

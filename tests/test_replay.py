@@ -168,6 +168,11 @@ def test_trace_prefix_identity_and_private_tail(tmp_path):
     assert not np.array_equal(r[0].prompt[B:1000], r[1].prompt[B:1000])
     assert np.array_equal(r[2].prompt, r[3].prompt)  # same ids, both full
     assert r[2].arrival == 0.005
+    for x in r:
+        assert x.prompt.dtype == np.int32 and 1 <= x.prompt.min() and x.prompt.max() <= 2**31 - 2
+    # Private tokens (partial tails, outputs) differ between requests.
+    assert not np.array_equal(r[2].output, r[3].output[:1])
+    assert not np.array_equal(r[0].output[:3], r[1].output)
     again = read_mooncake_trace(path)
     assert all(np.array_equal(x.prompt, y.prompt) and np.array_equal(x.output, y.output) for x, y in zip(r, again))
     other = read_mooncake_trace(path, seed=9)
