@@ -348,7 +348,12 @@ class PagedKVCacheManager:
         local = joint_hit(self._leaves, cap, self._resident(r, hashes, tokens))
         reach = local
         if self._simple and self._dp > 1:
-            while reach < cap and self._peer_source(r, hashes[reach], self._block_tokens(tokens, reach)):
+            # Spec §7.3: past the local run, each block is local (after a hole) or peer-held.
+            pool = self._pools[r][self._conn_leaf]
+            while reach < cap:
+                h, toks = hashes[reach], self._block_tokens(tokens, reach)
+                if pool.lookup(h, toks) is None and self._peer_source(r, h, toks) is None:
+                    break
                 reach += 1
         return local, reach
 
@@ -487,6 +492,8 @@ class PagedKVCacheManager:
                 req.lookup_pending = True  # Spec §9.4: awaits start_lookup and the next alloc
             else:
                 transfer = self._load_external(req, ctx)
+        if req.load is not None and req.load.state == "pending":
+            transfer = req.load.handle  # Spec §4: a repeated alloc returns the load still in flight
         # Spec §4.9: input_tokens counts each forward's active tokens once.
         if req.counted_gen == req.step_gen:
             self._metrics.input_tokens += ctx.active_length - req.counted_active
@@ -527,21 +534,24 @@ class PagedKVCacheManager:
             req.rows[leaf.leaf_id] = row
             req.nulled[leaf.leaf_id] = lo
         if reach > local:
-            # Spec §7.3: a hit held only by peers is copied into local pages, best effort.
-            pool = self._pools[r][self._conn_leaf]
-            n = min(reach - local, pool.num_free)
-            if n:
-                pages = pool.allocate(n)
-                for j, b in enumerate(pages):
-                    i = local + j
-                    toks = self._block_tokens(tokens, i)
-                    src, src_page = self._peer_source(r, req.hashes[i], toks)
-                    pool.publish(b, req.hashes[i], toks)
-                    copies.append(("peer", src, src_page, b))
-                req.rows[self._conn_leaf].extend(pages)
-                self._metrics.cross_replica_blocks_copied += n
-                self._metrics.cross_replica_bytes_copied += n * self._params.page_bytes(self._conn_leaf)
-                k = local + n
+            # Spec §7.3: a hit held only by peers is copied into local pages, best effort;
+            # a block the replica still holds (after a hole) is taken locally.
+            pool, row = self._pools[r][self._conn_leaf], req.rows[self._conn_leaf]
+            for i in range(local, reach):
+                h, toks = req.hashes[i], self._block_tokens(tokens, i)
+                b = pool.lookup(h, toks)
+                if b is not None:
+                    pool.touch(b)
+                elif pool.num_free and (src := self._peer_source(r, h, toks)) is not None:
+                    (b,) = pool.allocate(1)
+                    pool.publish(b, h, toks)
+                    copies.append(("peer", src[0], src[1], b))
+                    self._metrics.cross_replica_blocks_copied += 1
+                    self._metrics.cross_replica_bytes_copied += self._params.page_bytes(self._conn_leaf)
+                else:
+                    break
+                row.append(b)
+                k = i + 1
         req.committed = k
         if k:
             ctx.skip_processing(k * page)
