@@ -1212,3 +1212,127 @@ def test_docs_manager_examples_run(capsys):
     for i, block in enumerate(blocks):
         exec(compile(block, f"docs/manager.md[{i}]", "exec"), {"__name__": "__docs__"})
     assert "hit rate" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- regressions found by the machines
+
+
+def test_repeated_alloc_returns_the_load_still_in_flight():
+    conn = DictConnector(asynchronous=True)
+    m = make(num_blocks=16, connector=conn)
+    toks = list(range(13))
+    offloaded(m, conn, toks)
+    ctx = TextContext("b", toks)
+    m.claim(ctx)
+    t = m.alloc(ctx)
+    assert not t.is_complete()
+    assert m.alloc(ctx) is t  # still cordoned
+    t.land()
+    assert isinstance(m.alloc(ctx), CompletedTransfer)
+    assert_kv_correct(m, ctx)
+
+
+def test_peer_extension_takes_blocks_still_held_locally_after_a_hole():
+    m = make(dp=2, num_blocks=12)
+    toks = list(range(13))
+    a = TextContext("a", toks)
+    m.claim(a, 0)
+    m.alloc(a)
+    forward(m, a)
+    b = TextContext("b", toks)
+    m.claim(b, 1)
+    m.alloc(b)
+    rb = m.get_req_blocks_per_leaf(b)["full"]
+    m.release(b)
+    pool1 = m._pools[1]["full"]
+    for blk in rb[:2]:  # replica 1 loses blocks 0 and 1 but keeps block 2
+        pool1._unpublish(blk)
+    c = TextContext("c", toks)
+    m.claim(c, 1)
+    m.alloc(c)
+    assert c.cached_prefix_length == 12
+    rc = m.get_req_blocks_per_leaf(c)["full"]
+    assert rc[2] == rb[2]  # taken locally, not copied again
+    assert m.get_metrics_aggregated().cross_replica_blocks_copied == 3 + 2
+    assert_kv_correct(m, c)
+    check_invariants(m)
+
+
+class OddConnector(DictConnector):
+    """Misbehaving connector: lookup answers a non-int; a handle's n-th poll raises OSError."""
+
+    def __init__(self, bad_lookup=False, bad_poll=0):
+        super().__init__(asynchronous=True)
+        self.bad_lookup, self.bad_poll = bad_lookup, bad_poll
+
+    def lookup(self, hashes, tokens, replica_idx=0):
+        n = super().lookup(hashes, tokens, replica_idx)
+        return "many" if self.bad_lookup and n else n
+
+    def load(self, block_ids, hashes, tokens, replica_idx=0):
+        h = super().load(block_ids, hashes, tokens, replica_idx)
+        if self.bad_poll:
+            bad_at, self.bad_poll = self.bad_poll, 0
+            polls = []
+
+            def is_complete():
+                polls.append(1)
+                if len(polls) >= bad_at:
+                    raise OSError("device lost")
+                return False
+
+            h.is_complete = is_complete
+        return h
+
+
+def test_connector_lookup_answer_is_validated_and_alloc_rolls_back():
+    conn = OddConnector()
+    m = make(num_blocks=16, connector=conn)
+    toks = list(range(13))
+    offloaded(m, conn, toks)
+    conn.bad_lookup = True
+    ctx = TextContext("b", toks)
+    m.claim(ctx)
+    used = m.block_count()
+    with pytest.raises(TypeError, match=r"alloc: connector.lookup returned 'many', must be an int >= 0"):
+        m.alloc(ctx)
+    assert m.block_count() == used and ctx.processed_length == 0
+    check_invariants(m)
+
+
+def test_unexpected_handle_error_at_first_poll_rolls_alloc_back():
+    conn = OddConnector(bad_poll=1)
+    m = make(num_blocks=16, connector=conn)
+    toks = list(range(13))
+    offloaded(m, conn, toks)
+    conn.bad_poll = 1
+    ctx = TextContext("b", toks)
+    m.claim(ctx)
+    used = m.block_count()
+    with pytest.raises(OSError, match="device lost"):
+        m.alloc(ctx)
+    assert m.block_count() == used and ctx.processed_length == 0 and not m.pending_transfers_exist()
+    check_invariants(m)
+    m.alloc(ctx)  # a new load this time
+    assert ctx.cached_prefix_external_length == 12
+
+
+def test_unexpected_handle_error_later_propagates_from_poll_after_unpinning():
+    conn = OddConnector()
+    m = make(num_blocks=16, connector=conn)
+    toks = list(range(13))
+    offloaded(m, conn, toks)
+    conn.bad_poll = 2
+    ctx = TextContext("b", toks)
+    m.claim(ctx)
+    m.alloc(ctx)
+    assert m.pending_transfers_exist()
+    with pytest.raises(OSError, match="device lost"):
+        m.poll_transfers()
+    assert not m.pending_transfers_exist()
+    assert m.get_prefix_cache_hit_counts(TextContext("p", toks))[0].device_blocks == 0  # never published
+    check_invariants(m)
+    m.alloc(ctx)  # the request falls back to its device hit (none here)
+    assert ctx.processed_length == 0
+    m.release(ctx)
+    assert m.block_count().used == 0
