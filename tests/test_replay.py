@@ -330,15 +330,19 @@ def test_small_pool_loses_hits(chat):
     tokens=st.sampled_from([1, 40, 512, 4096]),
     page=st.sampled_from([4, 16]),
     batch=st.integers(1, 4),
+    replicas=st.integers(1, 2),
+    host=st.sampled_from([0, 1 << 20]),
 )
-def test_hit_rate_never_exceeds_the_ceiling(extra, inflight, tokens, page, batch):
+def test_hit_rate_never_exceeds_the_ceiling(extra, inflight, tokens, page, batch, replicas, host):
     w = synthetic_workload(6, seed=5)
     need, _ = required_blocks(w, page)
     s = replay(w, ReplayConfig(page_size=page, num_blocks=need + 1 + extra, max_inflight=inflight,
-                               max_batch_tokens=tokens, max_batch_size=batch, backend="kvref", **TINY))
+                               max_batch_tokens=tokens, max_batch_size=batch, replicas=replicas,
+                               host_bytes=host, backend="kvref", **TINY))
     assert 0 <= s.hit_tokens <= s.ceiling_hit_tokens
-    assert s.external_hit_tokens == 0
-    assert s.peak_blocks_used <= need + extra
+    assert host or s.external_hit_tokens == 0
+    assert s.peak_blocks_used <= (need + extra) * replicas
+    assert s.requests == 6 and s.series["waiting"][-1] == 0 and s.series["running"][-1] == 0
 
 
 def test_host_tier_serves_external_hits(chat):
