@@ -388,7 +388,18 @@ class PagedKVCacheManager:
         self._requests[ctx.request_id] = _Request(ctx=ctx, replica=r, rows={leaf.leaf_id: [] for leaf in self._leaves})
 
     def contains(self, ctx: TextContext | str) -> bool:
-        """Whether the request (a context or its id) is claimed on any replica."""
+        """Whether the request is claimed on any replica.
+
+        Parameters
+        ----------
+        ctx : TextContext or str
+            The context or its request id.
+
+        Raises
+        ------
+        TypeError
+            ``ctx`` neither a TextContext nor a str.
+        """
         if isinstance(ctx, str):
             return ctx in self._requests
         return self._ctx("contains", ctx).request_id in self._requests
@@ -738,12 +749,17 @@ class PagedKVCacheManager:
     # ================================================================== deferred lookups
 
     def starts_lookup(self, ctx: TextContext) -> bool:
-        """Whether ``start_lookup(ctx)`` would ask the connector now.
+        """Whether ``start_lookup(ctx)`` would ask the connector now (asks nothing).
 
         True when the connector is in use for the request, no lookup is
         outstanding, the request is fresh (no pages, nothing processed) or
         awaits its lookup after ``alloc(ctx, defer_lookup=True)``, and the
         device hit leaves hashed blocks the connector might hold.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Not a TextContext; not claimed. State is unchanged.
         """
         req = self._req("starts_lookup", ctx)
         return self._lookup_point(req, ctx) is not None
@@ -765,7 +781,18 @@ class PagedKVCacheManager:
         """Ask the connector how many blocks after the device hit it holds.
 
         Reserves and pins nothing; the next ``alloc`` uses the answer (and may
-        still see the load refused). Returns whether a lookup was started.
+        still see the load refused).
+
+        Returns
+        -------
+        bool
+            Whether a lookup was started (``starts_lookup(ctx)`` was true).
+
+        Raises
+        ------
+        TypeError, ValueError
+            Not a TextContext; not claimed; ``TypeError`` for a connector
+            answer that is not an int >= 0. State is unchanged.
         """
         req = self._req("start_lookup", ctx)
         k = self._lookup_point(req, ctx)
@@ -781,14 +808,18 @@ class PagedKVCacheManager:
         return True
 
     def awaits_lookup(self, ctx: TextContext) -> bool:
-        """Whether a started lookup is outstanding (not yet used by ``alloc`` or handed back)."""
+        """Whether a started lookup is outstanding (not yet used by ``alloc`` or handed back).
+
+        Raises ``TypeError`` / ``ValueError`` for a bad or unclaimed ctx.
+        """
         return self._req("awaits_lookup", ctx).lookup is not None
 
     def hand_back_lookup(self, ctx: TextContext) -> bool:
         """Drop the request's lookup (always safe); returns whether one existed.
 
         The request keeps the pages it holds and loads nothing externally for
-        this admission.
+        this admission. Raises ``TypeError`` / ``ValueError`` for a bad or
+        unclaimed ctx.
         """
         req = self._req("hand_back_lookup", ctx)
         had = req.lookup is not None or req.lookup_pending
@@ -982,6 +1013,10 @@ class PagedKVCacheManager:
     def poll_transfers(self) -> None:
         """Post queued offloads and land or retire finished transfers; never blocks.
 
+        Landed loads are published and unpinned; failed loads are unpinned
+        unpublished (``connector_load_failures``); complete offloads unpin
+        their sources.
+
         Raises
         ------
         Exception
@@ -993,12 +1028,19 @@ class PagedKVCacheManager:
         self._drain()
 
     def pending_transfers_exist(self, replica_idx: int = 0) -> bool:
-        """Whether anything of the replica is pinned by an unfinished transfer."""
+        """Whether anything of the replica is pinned by an unfinished transfer.
+
+        Raises ``TypeError`` / ``IndexError`` for a bad ``replica_idx``.
+        """
         r = self._replica("pending_transfers_exist", replica_idx)
         return bool(self._pins[r])
 
     def shutdown(self) -> None:
-        """Post queued offloads, wait for every transfer, close the connector."""
+        """Post queued offloads, wait for every transfer, close the connector.
+
+        Failed loads are handled as in ``poll_transfers``; the connector is
+        shut down even if a transfer raised unexpectedly (which then propagates).
+        """
         self._post_offloads()
         for t in list(self._loads) + list(self._offloads):
             try:
@@ -1013,12 +1055,20 @@ class PagedKVCacheManager:
     # ================================================================== queries
 
     def num_req_blocks(self, ctx: TextContext) -> int:
-        """Blocks the next forward reaches, ``ceil(current_position / page_size)``
-        (the request's lookup-table width). Works on unclaimed contexts."""
+        """Blocks the next forward reaches, ``ceil(current_position / page_size)``.
+
+        The request's lookup-table width; works on unclaimed contexts.
+        Raises ``TypeError`` for a non-TextContext.
+        """
         return self._required_blocks(self._ctx("num_req_blocks", ctx))
 
     def get_req_blocks_per_leaf(self, ctx: TextContext) -> dict[str, list[int]]:
-        """``{leaf_id: block ids}`` of a claimed request (copies; 0 = null)."""
+        """``{leaf_id: block ids}`` of a claimed request (copies; 0 = null).
+
+        Full and sliding rows have equal length (sliding slots below the
+        window are 0); a recurrent leaf lists ``[live]`` or ``[live, successor]``.
+        Raises ``TypeError`` / ``ValueError`` for a bad or unclaimed ctx.
+        """
         req = self._req("get_req_blocks_per_leaf", ctx)
         return {lid: list(row) for lid, row in req.rows.items()}
 
@@ -1028,6 +1078,16 @@ class PagedKVCacheManager:
         ``device_blocks``: the joint device hit (peer-held blocks count when
         cross-replica copy applies); ``external_blocks``: what the connector
         says it holds after that. Works on unclaimed contexts.
+
+        Returns
+        -------
+        list of PrefixCacheHits
+            One per replica, in replica order.
+
+        Raises
+        ------
+        TypeError
+            ``ctx`` is not a TextContext.
         """
         self._ctx("get_prefix_cache_hit_counts", ctx)
         if not self._caching:
@@ -1046,13 +1106,20 @@ class PagedKVCacheManager:
         return out
 
     def block_count(self, replica_idx: int = 0) -> BlockCount:
-        """``BlockCount(free, total)`` of the replica: null excluded, cached-unreferenced
-        blocks count as free; with several leaves the scarcest leaf's free count."""
+        """``BlockCount(free, total)`` of the replica.
+
+        ``total = num_blocks - 1`` (null excluded); cached-unreferenced pages
+        count as free; with several leaves, the scarcest leaf's free count.
+        Raises ``TypeError`` / ``IndexError`` for a bad ``replica_idx``.
+        """
         r = self._replica("block_count", replica_idx)
         return BlockCount(min(p.num_free for p in self._pools[r].values()), self._num_blocks - 1)
 
     def pressure_pct(self, replica_idx: int = 0) -> float:
-        """Used percentage of the fullest leaf, 0-100 (100 once a leaf cannot allocate)."""
+        """Used percentage of the fullest leaf, 0-100 (100 once a leaf cannot allocate).
+
+        Raises ``TypeError`` / ``IndexError`` for a bad ``replica_idx``.
+        """
         r = self._replica("pressure_pct", replica_idx)
         total = self._num_blocks - 1
         return max(100.0 * (total - p.num_free) / total for p in self._pools[r].values())
@@ -1068,7 +1135,13 @@ class PagedKVCacheManager:
         return self._connector.disk_byte_count()
 
     def get_device_buffer(self, replica_idx: int = 0):
-        """The replica's page buffer (a live view) with one leaf; ``{leaf_id: buffer}`` otherwise."""
+        """The replica's page buffer (a live view) with one leaf; ``{leaf_id: buffer}`` otherwise.
+
+        Full/sliding: ``[num_blocks, 2, num_layers, page_size, kv_heads,
+        head_dim]`` of ``params.dtype``; recurrent: ``[num_blocks,
+        *state_shape]`` of its state dtype. Raises ``TypeError`` /
+        ``IndexError`` for a bad ``replica_idx``.
+        """
         r = self._replica("get_device_buffer", replica_idx)
         if len(self._leaves) == 1:
             return self._buffers[r][self._leaves[0].leaf_id]
