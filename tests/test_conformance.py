@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import kvref
@@ -63,6 +64,7 @@ def test_suite_passes_on_kvref():
 
 _DRIVER = """
 import json, sys
+import numpy as np
 import pytest
 common = json.loads(sys.argv[1])
 results = {}
@@ -200,3 +202,56 @@ def test_vectors_ship_as_package_data():
     text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     assert '"kvspec.vectors" = "spec/vectors"' in text and '"kvspec.vectors" = ["*.json"]' in text
     assert 'kvspec_conformance = "kvspec.conformance.plugin"' in text
+
+
+# ---------------------------------------------------------------- building blocks
+
+
+def test_assert_same_names_the_first_difference():
+    import numpy as np
+
+    from kvspec.conformance._compare import Outcome, assert_same, assert_same_outcome
+
+    a = np.zeros((2, 3), np.float16)
+    b = a.copy()
+    b[1, 2] = -0.0  # same value, different bytes
+    with pytest.raises(AssertionError, match=r"x: differs at index \(1, 2\) \(1 of 6 elements differ\)"):
+        assert_same(a, b, "x")
+    with pytest.raises(AssertionError, match="dtype=float32, kvref has float16"):
+        assert_same(a, a.astype(np.float32), "x")
+    with pytest.raises(AssertionError, match=r"x\['k'\]\[1\]: True, kvref gives 1"):
+        assert_same({"k": [0, 1]}, {"k": [0, True]}, "x")
+    assert_same({"k": [np.int32(3), (1, 2)]}, {"k": [3, [1, 2]]}, "x")
+    with pytest.raises(AssertionError, match="message 'b', kvref says 'a'"):
+        assert_same_outcome("call", Outcome(exc=ValueError("a")), Outcome(exc=ValueError("b")))
+    with pytest.raises(AssertionError, match="backend raised IndexError"):
+        assert_same_outcome("call", Outcome(exc=ValueError("a")), Outcome(exc=IndexError("a")))
+    with pytest.raises(AssertionError, match="backend returned 1, kvref raised"):
+        assert_same_outcome("call", Outcome(exc=ValueError("a")), Outcome(value=1))
+
+
+def test_strategies_respect_capabilities():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from kvspec import KVCacheMode, LayerKind
+    from kvspec.strategies import cache_configs, exact_values, manager_setups
+
+    @settings(max_examples=30, deadline=None)
+    @given(cfg=cache_configs(frozenset({"contiguous"})), setup=manager_setups(frozenset({"manager"})))
+    def check(cfg, setup):
+        config, specs = cfg
+        assert config.mode is KVCacheMode.CONTIGUOUS and len(specs) == config.num_layers
+        assert all(s.kind is LayerKind.ATTENTION for s in specs), specs
+        assert 2 <= config.block_size <= 4
+        assert setup["params"].data_parallel_degree == 1 and not setup["params"].enable_prefix_caching
+
+    check()
+    v = exact_values((4, 4), "bfloat16", 3)
+    assert (v.astype("float64") * 8 == np.round(v.astype("float64") * 8)).all()
+    assert (exact_values((3,), "float16", 1) == exact_values((3,), "float16", 1)).all()
+
+
+def test_vectors_package_errors():
+    with pytest.raises(ValueError, match=r"kvspec.vectors.read_bytes: name='nope.json' not in"):
+        vectors.read_bytes("nope.json")
