@@ -192,6 +192,16 @@ class BlockPool:
             self._num_free -= 1
         self.ref_count[block] += 1
 
+    def touch_many(self, blocks) -> int:
+        """:meth:`touch` each of ``blocks`` (distinct, none null) in one call; returns
+        how many left the free list."""
+        arr = np.asarray(blocks, dtype=np.int64)
+        if arr.size == 0:
+            return 0
+        revived = _fl.touch_many(self._prev, self._next, self.ref_count, arr)
+        self._num_free -= revived
+        return revived
+
     def free(self, blocks: Iterable[int]) -> None:
         """Drop one reference from each block, in the order given.
 

@@ -104,7 +104,8 @@ def _kv_value(tokens, p: int) -> float:
 class ManagerDiff(RuleBasedStateMachine):
     """A scheduler driving a kvref and a kvfast manager with the same calls."""
 
-    @initialize(cfg=st.sampled_from(sorted(CONFIGS)), num_blocks=st.integers(4, 12))
+    @initialize(cfg=st.sampled_from(["fast", "fast", "fast", "fast_nocache", "xxh3", "hybrid", "replicas"]),
+                num_blocks=st.integers(4, 12))
     def setup(self, cfg, num_blocks):
         kw = dict(CONFIGS[cfg])
         self.cfg = cfg
@@ -147,6 +148,28 @@ class ManagerDiff(RuleBasedStateMachine):
                       lambda m, i: m.claim(pair[i], replica))
         if a[0] == "ok":
             self.ctxs[rid] = pair
+
+    @rule(data=st.data(), extend=st.lists(st.integers(1, 3), max_size=4), decode=st.integers(0, 4))
+    def serve(self, data, extend, decode):
+        """A whole request: claim, alloc, prefill, decode steps, release (prefix hits happen here)."""
+        base = data.draw(st.sampled_from(self.prompts), label="base prompt")
+        prompt = base + extend
+        rid = f"s{self.n}"
+        self.n += 1
+        pair = (TextContext(rid, prompt), TextContext(rid, prompt))
+        if self.both(f"claim({rid}, {prompt})", lambda m, i: m.claim(pair[i]))[0] != "ok":
+            return
+        self.prompts.append(prompt)
+        for s_ in range(decode + 1):
+            if self.both(f"alloc({rid})", lambda m, i: m.alloc(pair[i]))[0] != "ok":
+                break
+            self._same_ctx(pair)
+            if len(pair[0]) >= MAX_SEQ:
+                break
+            for ctx in pair:
+                ctx.update(1 + (len(ctx) % 3))
+            self.both(f"update; step({rid})", lambda m, i: m.step(pair[i]))
+        self.both(f"release({rid})", lambda m, i: m.release(pair[i]))
 
     @rule(data=st.data(), replica=st.integers(0, 1))
     def alloc_dummy(self, data, replica):

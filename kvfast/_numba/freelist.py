@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["init_list", "pop_front_n", "free_many", "walk", "unlink", "push_front", "push_back"]
+__all__ = ["touch_many", "init_list", "pop_front_n", "free_many", "walk", "unlink", "push_front", "push_back"]
 
 
 @njit(nogil=True, cache=True)
@@ -125,3 +125,24 @@ def walk(next_, head, tail, out):
         k += 1
         b = next_[b]
     return k
+
+
+@njit(nogil=True, cache=True)
+def touch_many(prev, next_, ref_count, blocks):
+    """One more reference on each of ``blocks``; free ones leave the list.
+
+    Returns how many were on the free list (revived).
+    """
+    revived = 0
+    for i in range(blocks.shape[0]):
+        b = blocks[i]
+        if ref_count[b] == 0:
+            p = prev[b]
+            n = next_[b]
+            next_[p] = n
+            prev[n] = p
+            prev[b] = -1
+            next_[b] = -1
+            revived += 1
+        ref_count[b] += 1
+    return revived

@@ -1,0 +1,73 @@
+"""``conformance_backend()``: kvfast as a ``kvspec.conformance.Backend``.
+
+Registered in the ``kvcache.backends`` entry-point group as ``kvfast``, so
+``pytest --pyargs kvspec.conformance --kv-backend=kvfast`` runs the
+conformance suite on the fast path against ``kvref``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from kvspec.conformance import CAPABILITIES, Backend
+
+__all__ = ["conformance_backend", "collide_hashes"]
+
+
+def _make_cache(config, layer_specs):
+    from ._slot_cache import KVCache
+
+    return KVCache.make(config, layer_specs)
+
+
+def _make_manager(params, *, num_blocks, max_batch_size, max_seq_len, device="cpu", connector=None):
+    from ._manager import PagedKVCacheManager
+
+    return PagedKVCacheManager(
+        params, num_blocks=num_blocks, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+        device=device, connector=connector,
+    )
+
+
+@contextlib.contextmanager
+def collide_hashes():
+    """Make every block hash ignore token values while active (collision test, DESIGN §6).
+
+    kvfast hashes only through ``kvspec.hashing.tokens_to_bytes`` (the slot
+    cache via ``kvspec.hashing.block_hashes``, the manager via its chain over
+    ``tokens_to_bytes``), so patching that one function collides both; a
+    correct kvfast still serves only verified hits. Not thread-safe.
+    """
+    from kvref._backend import collide_hashes as ref_collide
+
+    with ref_collide():
+        yield
+
+
+def conformance_backend() -> Backend:
+    """kvfast with every capability declared, on the CPU (and ``cuda:0`` when CuPy sees a GPU).
+
+    Returns
+    -------
+    kvspec.conformance.Backend
+    """
+    from . import __version__, ops
+
+    devices = ("cpu",)
+    try:  # pragma: no cover - depends on the machine
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            devices = ("cpu", "cuda:0")
+    except Exception:
+        pass
+    return Backend(
+        name="kvfast",
+        version=__version__,
+        make_cache=_make_cache,
+        make_manager=_make_manager,
+        ops=ops,
+        capabilities=frozenset(CAPABILITIES),
+        devices=devices,
+        collide_hashes=collide_hashes,
+    )

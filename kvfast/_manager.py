@@ -1,0 +1,268 @@
+"""The fast request manager ``PagedKVCacheManager`` (DESIGN §5, §7).
+
+``kvfast.PagedKVCacheManager`` *is* a ``kvref.PagedKVCacheManager`` (a
+subclass): every method has the reference's signature, results and errors.
+What changes is the cost:
+
+* every pool is a :class:`kvfast._block_pool.BlockPool` (intrusive int32
+  free list, batch touch/free/allocate in Numba);
+* the hash chain hashes one bytes buffer per block, incrementally, never
+  re-hashing a block;
+* ``alloc``, ``step`` and ``release`` take a fast path in the common serving
+  configuration (one full-attention leaf, one replica, no external
+  connector): no O(pool) snapshot for atomicity (everything that can fail is
+  checked before the first mutation), hit verification by one bytes compare
+  per block, batched ref-count updates. Other configurations (sliding or
+  recurrent leaves, replicas, tiers, in-flight loads) run the reference
+  code paths over the fast pools.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from kvref import _manager as _ref
+from kvref._block_pool import NULL_BLOCK
+from kvspec import hashing
+from kvspec._config import check_int, parse_device
+from kvspec._manager_types import CompletedTransfer, KVCacheParams, KVTransfer, LeafKind, TextContext
+from kvspec.errors import InsufficientBlocksError
+
+from ._block_pool import BlockPool
+from ._slot_cache import require_cuda
+
+__all__ = ["PagedKVCacheManager"]
+
+
+def _chain(parent: bytes, data: bytes, step: int, n: int, hash_algo: str) -> list[bytes]:
+    """``n`` chained block hashes over ``data`` (``step`` bytes per block), DESIGN §6."""
+    out = []
+    if hash_algo == "sha256":
+        sha = hashlib.sha256
+        for i in range(n):
+            parent = sha(parent + data[i * step : (i + 1) * step]).digest()
+            out.append(parent)
+    else:
+        import xxhash
+
+        h = xxhash.xxh3_128_digest
+        for i in range(n):
+            parent = h(parent + data[i * step : (i + 1) * step])
+            out.append(parent)
+    return out
+
+
+class PagedKVCacheManager(_ref.PagedKVCacheManager):
+    """Request-level paged KV cache with prefix caching, replicas and tiers; the fast path.
+
+    Same constructor, methods, results and errors as
+    ``kvref.PagedKVCacheManager`` (see there for the full contract).
+
+    Parameters
+    ----------
+    params : KVCacheParams
+    num_blocks : int
+        Pages per replica and leaf including the null block 0.
+    max_batch_size : int
+    max_seq_len : int
+    device : str
+        ``"cpu"`` or ``"cuda[:N]"`` (buffers as CuPy arrays; ``RuntimeError``
+        without CuPy or a visible GPU).
+    connector : KVConnector, optional
+
+    Examples
+    --------
+    >>> from kvfast import PagedKVCacheManager, KVCacheParams, TextContext
+    >>> m = PagedKVCacheManager(KVCacheParams(page_size=4, num_layers=1, kv_heads=1, head_dim=2),
+    ...                         num_blocks=9, max_batch_size=4, max_seq_len=32)
+    >>> ctx = TextContext("a", list(range(10)))
+    >>> m.claim(ctx); _ = m.alloc(ctx)
+    >>> m.get_req_blocks_per_leaf(ctx)
+    {'full': [1, 2, 3]}
+    """
+
+    def __init__(self, params: KVCacheParams, *, num_blocks: int, max_batch_size: int, max_seq_len: int,
+                 device: str = "cpu", connector=None):
+        o = "PagedKVCacheManager"
+        kind, dev = parse_device(o, device) if isinstance(params, KVCacheParams) else ("cpu", 0)
+        if kind == "cuda":
+            if isinstance(num_blocks, int):
+                check_int(o, "num_blocks", num_blocks, low=2)
+            require_cuda(o, dev)
+        super().__init__(params, num_blocks=num_blocks, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                         device="cpu", connector=connector)
+        self._device = device
+        # Spec §4.2 / §5: same allocation order as the reference pools, O(1) per block.
+        self._pools = [{leaf.leaf_id: BlockPool(num_blocks) for leaf in self._leaves} for _ in range(self._dp)]
+        self._fast = (
+            len(self._leaves) == 1 and self._leaves[0].kind is LeafKind.FULL and self._dp == 1
+            and not self._uses_connector
+        )
+        self._page_bytes = 4 * self._page
+        if kind == "cuda":  # pragma: no cover - needs a GPU
+            import cupy as cp
+
+            with cp.cuda.Device(dev):
+                self._buffers = [{lid: cp.asarray(b) for lid, b in bufs.items()} for bufs in self._buffers]
+
+    # ------------------------------------------------------------------ hashing
+
+    def _hashes_for(self, ctx: TextContext, have: list[bytes]) -> list[bytes]:
+        """Chained hashes of ctx's full blocks, never covering the last token (Spec §3.1);
+        only the blocks after ``have`` are hashed (one bytes buffer per block)."""
+        page = self._page
+        n = (len(ctx) - 1) // page
+        k = len(have)
+        if k >= n:
+            return have if k == n else list(have[:n])
+        parent = have[-1] if have else self._root(ctx.cache_salt)
+        data = hashing.tokens_to_bytes(ctx.tokens[k * page : n * page])
+        return list(have) + _chain(parent, data, self._page_bytes, n - k, self._params.hash_algo)
+
+    # ------------------------------------------------------------------ fast paths
+
+    def alloc(self, ctx: TextContext, *, defer_lookup: bool = False) -> KVTransfer:
+        """Give the request the pages its next forward needs, reusing a cached prefix.
+
+        Same contract as ``kvref.PagedKVCacheManager.alloc`` (drains finished
+        transfers, splices the device hit at the reuse point, grows the rows,
+        runs the external stage); all or nothing on ``InsufficientBlocksError``.
+        """
+        if not self._fast or self._loads or self._offloads:
+            return super().alloc(ctx, defer_lookup=defer_lookup)
+        op = "alloc"
+        req = self._req(op, ctx)
+        if not isinstance(defer_lookup, bool):
+            raise TypeError(f"alloc: defer_lookup={defer_lookup!r}, must be a bool")
+        self._check_len(op, ctx)
+        if req.dummy:
+            return self._size_dummy(req)
+        leaf_id = self._conn_leaf
+        pool = self._pools[0][leaf_id]
+        row = req.rows[leaf_id]
+        page = self._page
+        splice = self._caching and ctx.processed_length == 0 and not row
+        if splice:
+            hashes = self._hashes_for(ctx, req.hashes)
+            cap = min(len(hashes), (ctx.active_length - 1) // page)
+            hits = []
+            if cap:
+                data = hashing.tokens_to_bytes(ctx.tokens[: cap * page])
+                step = self._page_bytes
+                for i in range(cap):
+                    b = pool.lookup_bytes(hashes[i], data[i * step : (i + 1) * step])
+                    if b is None:
+                        break
+                    hits.append(b)
+            k = len(hits)
+            have = k
+            revived = int(np.count_nonzero(pool.ref_count[hits] == 0)) if k else 0
+        else:
+            have, revived = len(row), 0
+        need = max(-(-ctx.current_position // page) - have, 0)
+        free = pool.num_free - revived
+        if need > free:
+            raise InsufficientBlocksError(
+                f"alloc: request_id={ctx.request_id!r} needs {need} blocks of leaf {leaf_id!r}, "
+                f"{free} free or evictable on replica 0"
+            )
+        # ---- commit (nothing below can fail)
+        m = self._metrics
+        if splice:
+            if k:
+                pool.touch_many(hits)
+                ctx.skip_processing(k * page)
+            req.rows[leaf_id] = row = hits
+            req.nulled[leaf_id] = 0
+            req.hashes = hashes
+            req.committed = k
+            ctx.cached_prefix_length = k * page
+            ctx.cached_prefix_external_length = 0
+            m.cache_tokens += k * page
+            m.device_blocks_served += k
+            req.ext_point = True
+        if need:
+            row.extend(pool.allocate_array(need).tolist())
+        # Spec §6.1: input_tokens counts each forward's active tokens once.
+        if req.counted_gen == req.step_gen:
+            m.input_tokens += ctx.active_length - req.counted_active
+        else:
+            m.input_tokens += ctx.active_length
+        req.counted_gen, req.counted_active = req.step_gen, ctx.active_length
+        return CompletedTransfer()
+
+    def step(self, ctx: TextContext) -> None:
+        """Commit what the forward wrote (call after ``ctx.update``); same contract as the reference."""
+        if not self._fast or self._loads:
+            return super().step(ctx)
+        req = self._req("step", ctx)
+        if req.dummy:
+            return
+        row = req.rows[self._conn_leaf]
+        page = self._page
+        processed = ctx.processed_length
+        if processed > len(row) * page:
+            raise ValueError(
+                f"step: processed_length={processed} > {len(row) * page} tokens in the allocated rows; "
+                "alloc must be called before the forward"
+            )
+        req.step_gen += 1
+        req.ext_point, req.lookup, req.lookup_pending = False, None, False
+        if not self._caching:
+            return
+        lo = req.committed
+        hashes = req.hashes
+        if len(hashes) != (len(ctx) - 1) // page:
+            req.hashes = hashes = self._hashes_for(ctx, hashes)
+        end = min(processed // page, len(hashes))
+        if end <= lo:
+            return  # nothing new filled: nothing to publish
+        pool = self._pools[0][self._conn_leaf]
+        step = self._page_bytes
+        data = hashing.tokens_to_bytes(ctx.tokens[lo * page : end * page])
+        for i in range(lo, end):
+            b = row[i]
+            j = i - lo
+            canon = pool.publish_bytes(b, hashes[i], data[j * step : (j + 1) * step])
+            if canon != b:  # Spec §5.2: twin dedup, keep the published copy
+                pool.touch(canon)
+                row[i] = canon
+                pool.free([b])
+        req.committed = end
+
+    def release(self, ctx: TextContext | str) -> None:
+        """Free the request's pages, tail first, and forget it (same contract as the reference)."""
+        if not self._fast or self._loads:
+            return super().release(ctx)
+        req = self._req("release", ctx, allow_id=True)
+        del self._requests[req.ctx.request_id]
+        if req.dummy:
+            return
+        row = req.rows[self._conn_leaf]
+        if row:
+            # Spec §5.4: tail first, so a chain's tail is evicted before its head.
+            self._pools[0][self._conn_leaf].free(np.array(row[::-1], dtype=np.int64))
+
+    def runtime_inputs(self, batches, *, max_cache_length: int | None = None):
+        """The paged-attention inputs of one forward (same contract as the reference)."""
+        out = super().runtime_inputs(batches, max_cache_length=max_cache_length)
+        if isinstance(self._device, str) and self._device.startswith("cuda"):  # pragma: no cover - needs a GPU
+            out = self._inputs_to_device(out)
+        return out
+
+    def _inputs_to_device(self, inputs):  # pragma: no cover - needs a GPU
+        import dataclasses
+
+        import cupy as cp
+
+        def move(p):
+            return dataclasses.replace(p, lookup_table=cp.asarray(p.lookup_table),
+                                       cache_lengths=cp.asarray(p.cache_lengths))
+
+        per = tuple({k: move(v) for k, v in x.items()} if isinstance(x, dict) else move(x) for x in inputs.inputs)
+        return dataclasses.replace(inputs, inputs=per)
+
+    # keep the reference's NULL_BLOCK visible for readers diffing the two modules
+    NULL_BLOCK = NULL_BLOCK
