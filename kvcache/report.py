@@ -101,7 +101,7 @@ def write_plot(stats: ReplayStats, path: str | os.PathLike) -> None:
     ax.plot(x, s["blocks_used"], label="blocks in use")
     ax.axhline((stats.blocks_per_replica - 1) * stats.replicas, color="grey", ls="--", label="pool")
     ax.set_ylabel("device blocks")
-    ax.legend(loc="upper left")
+    ax.legend(loc="lower right")
     ax = axes[1]
     ax.plot(x, [100 * v for v in s["hit_rate"]], label="prefix hit rate (admitted so far)")
     ax.axhline(100 * stats.ceiling_hit_rate, color="grey", ls="--", label="infinite-cache ceiling")
@@ -115,7 +115,7 @@ def write_plot(stats: ReplayStats, path: str | os.PathLike) -> None:
     ax.set_ylabel("MiB moved (cumulative)")
     ax.set_xlabel("scheduler step")
     ax.legend(loc="upper left")
-    fig.suptitle(f"kvcache replay: {stats.workload} ({stats.backend})")
+    fig.suptitle(f"kvcache replay: {stats.workload}, backend {stats.backend}")
     fig.tight_layout()
     fig.savefig(path, format="png")
     plt.close(fig)
