@@ -651,3 +651,19 @@ def test_report_table_json_and_bytes(chat, tmp_path):
     doc = json.loads(path.read_text())
     assert doc["config"] == {"page_size": 16} and doc["load_failures"] == 2
     assert [p.name for p in tmp_path.iterdir()] == ["s.json"]
+
+
+@pytest.mark.parametrize("tokens, batch, inflight", [(64, 3, None), (1, 2, 4), (700, 32, 1)])
+def test_scheduler_limits_hold_every_step(chat, tokens, batch, inflight):
+    s = replay(chat[:10], ReplayConfig(max_batch_tokens=tokens, max_batch_size=batch, max_inflight=inflight,
+                                       backend="kvref", **TINY))
+    ser = s.series
+    assert max(ser["batch_tokens"]) <= tokens
+    assert max(ser["batch_requests"]) <= batch
+    limit = inflight if inflight is not None else batch
+    assert all(r + c <= limit for r, c in zip(ser["running"], ser["cordoned"]))
+    # Every token is computed exactly once (no preemption here): prefill after the hit, then decodes.
+    assert s.preemptions == 0
+    assert sum(ser["batch_tokens"]) == s.prompt_tokens - s.hit_tokens + s.output_tokens - s.requests
+    if tokens == 64:  # chunked prefill: prompts of hundreds of tokens span several steps
+        assert s.steps > (s.prompt_tokens - s.hit_tokens) // 64
