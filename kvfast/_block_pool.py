@@ -41,6 +41,26 @@ __all__ = ["BlockPool", "NULL_BLOCK"]
 NULL_BLOCK = 0
 
 
+class _TokenView:
+    """``block_tokens[b]``: the int32 tokens of published block ``b`` (a read-only
+    view of its stored bytes) or None; built on read, never stored as arrays."""
+
+    __slots__ = ("_tb",)
+
+    def __init__(self, tok_bytes: list):
+        self._tb = tok_bytes
+
+    def __getitem__(self, block):
+        t = self._tb[block]
+        return None if t is None else np.frombuffer(t, np.int32)
+
+    def __len__(self) -> int:
+        return len(self._tb)
+
+    def __iter__(self):
+        return (self[b] for b in range(len(self._tb)))
+
+
 class BlockPool:
     """Ids ``0 .. num_blocks-1`` with ref counts, an intrusive free list and a prefix index.
 
@@ -58,8 +78,8 @@ class BlockPool:
         References per block (0 = on the free list, except block 0).
     block_hash : list of bytes or None
         Hash of each published block.
-    block_tokens : list of int32 [block_size] or None
-        Token ids of each published block.
+    block_tokens : sequence of int32 [block_size] or None
+        Token ids of each published block (read-only views, built on read).
     hash_to_block : dict of bytes to int
         The prefix index.
     """
@@ -80,10 +100,10 @@ class BlockPool:
         n = self.num_blocks
         self.ref_count = np.zeros(n, np.int32)
         self.block_hash: list[bytes | None] = [None] * n
-        self.block_tokens: list[np.ndarray | None] = [None] * n
         self.hash_to_block: dict[bytes, int] = {}
         #: tokens of each published block as int32 bytes (one compare per hit)
         self._tok_bytes: list[bytes | None] = [None] * n
+        self.block_tokens = _TokenView(self._tok_bytes)
         self._published = np.zeros(n, np.bool_)
         self._prev = np.empty(n + 2, np.int32)
         self._next = np.empty(n + 2, np.int32)
@@ -93,15 +113,16 @@ class BlockPool:
     def snapshot(self):
         """An opaque copy of the whole state (for atomic rollback and tests)."""
         return (
-            self.ref_count.copy(), list(self.block_hash), list(self.block_tokens), dict(self.hash_to_block),
+            self.ref_count.copy(), list(self.block_hash), dict(self.hash_to_block),
             list(self._tok_bytes), self._published.copy(), self._prev.copy(), self._next.copy(), self._num_free,
         )
 
     def restore(self, snap) -> None:
         """Return to a state taken with ``snapshot``."""
-        rc, bh, bt, idx, tb, pub, prev, nxt, nfree = snap
+        rc, bh, idx, tb, pub, prev, nxt, nfree = snap
         self.ref_count = rc.copy()
-        self.block_hash, self.block_tokens, self._tok_bytes = list(bh), list(bt), list(tb)
+        self.block_hash, self._tok_bytes = list(bh), list(tb)
+        self.block_tokens = _TokenView(self._tok_bytes)
         self.hash_to_block = dict(idx)
         self._published, self._prev, self._next = pub.copy(), prev.copy(), nxt.copy()
         self._num_free = nfree
@@ -170,8 +191,17 @@ class BlockPool:
         self._num_free -= n
         pub = self._published[out]
         if pub.any():
-            for b in out[pub].tolist():
-                self._unpublish(b)
+            evicted = out[pub]
+            self._published[evicted] = False
+            bh, tb, idx, cb = self.block_hash, self._tok_bytes, self.hash_to_block, self.on_evict
+            for b in evicted.tolist():
+                h = bh[b]
+                if idx.get(h) == b:
+                    del idx[h]
+                bh[b] = None
+                tb[b] = None
+                if cb is not None:
+                    cb(h)
         return out
 
     def allocate(self, n: int) -> list[int]:
@@ -245,11 +275,42 @@ class BlockPool:
         if twin is not None:
             return twin if self._tok_bytes[twin] == tb else block
         self.block_hash[block] = h
-        self.block_tokens[block] = toks if toks is not None else np.frombuffer(tb, np.int32).copy()
         self._tok_bytes[block] = tb
         self._published[block] = True
         self.hash_to_block[h] = block
         return block
+
+    def publish_run(self, blocks: list[int], hashes: list[bytes], data: bytes) -> list[int]:
+        """:meth:`publish_bytes` for each ``blocks[j]`` under ``hashes[j]`` with
+        tokens ``data[j*s:(j+1)*s]`` (``s = len(data) // len(blocks)``), in order.
+
+        Returns the canonical block of each (itself, or an existing twin).
+        """
+        n = len(blocks)
+        if n == 0:
+            return []
+        step = len(data) // n
+        bh, tb, idx = self.block_hash, self._tok_bytes, self.hash_to_block
+        out, fresh = [], []
+        for j in range(n):
+            b = blocks[j]
+            if bh[b] is not None:
+                out.append(b)
+                continue
+            h = hashes[j]
+            t = data[j * step : (j + 1) * step]
+            twin = idx.get(h)
+            if twin is not None:
+                out.append(twin if tb[twin] == t else b)
+                continue
+            bh[b] = h
+            tb[b] = t
+            idx[h] = b
+            fresh.append(b)
+            out.append(b)
+        if fresh:
+            self._published[fresh] = True
+        return out
 
     def reset_prefix_cache(self) -> list[int]:
         """Unpublish every published block with ref count 0; returns them.
@@ -270,7 +331,6 @@ class BlockPool:
         if self.hash_to_block.get(h) == block:
             del self.hash_to_block[h]
         self.block_hash[block] = None
-        self.block_tokens[block] = None
         self._tok_bytes[block] = None
         self._published[block] = False
         if self.on_evict is not None:
@@ -320,8 +380,7 @@ class BlockPool:
         assert np.array_equal(pub, self._published), f"{p}: published mask disagrees with block_hash"
         for h, b in self.hash_to_block.items():
             assert self.block_hash[b] == h, f"{p}: index maps {h.hex()[:12]} to block {b} holding another hash"
-            assert self.block_tokens[b] is not None, f"{p}: published block {b} has no tokens"
-            assert self._tok_bytes[b] == self.block_tokens[b].tobytes(), f"{p}: block {b} token bytes disagree"
+            assert self._tok_bytes[b] is not None, f"{p}: published block {b} has no tokens"
         assert int(pub.sum()) == len(self.hash_to_block), (
             f"{p}: {int(pub.sum())} blocks carry a hash but the index holds {len(self.hash_to_block)}"
         )

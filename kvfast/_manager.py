@@ -35,6 +35,9 @@ from ._slot_cache import require_cuda
 
 __all__ = ["PagedKVCacheManager"]
 
+#: ``alloc``'s result when nothing is in flight (immutable, shared).
+_DONE = CompletedTransfer()
+
 
 def _chain(parent: bytes, data: bytes, step: int, n: int, hash_algo: str) -> list[bytes]:
     """``n`` chained block hashes over ``data`` (``step`` bytes per block), DESIGN §6."""
@@ -130,6 +133,25 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
         transfers, splices the device hit at the reuse point, grows the rows,
         runs the external stage); all or nothing on ``InsufficientBlocksError``.
         """
+        # Decode fast lane: a claimed request already holding pages that cover its next forward.
+        req = self._requests.get(ctx.request_id) if type(ctx) is TextContext else None
+        if (
+            req is not None and req.ctx is ctx and defer_lookup is False and self._fast and not req.dummy
+            and not self._loads and not self._offloads
+        ):
+            row = req.rows[self._conn_leaf]
+            if row and len(ctx) <= self._max_seq_len and -(-ctx.current_position // self._page) <= len(row):
+                m = self._metrics
+                active = ctx.active_length
+                if req.counted_gen == req.step_gen:
+                    m.input_tokens += active - req.counted_active
+                else:
+                    m.input_tokens += active
+                req.counted_gen, req.counted_active = req.step_gen, active
+                return _DONE
+        return self._alloc_fast(ctx, defer_lookup)
+
+    def _alloc_fast(self, ctx: TextContext, defer_lookup: bool) -> KVTransfer:
         if not self._fast or self._loads or self._offloads:
             return super().alloc(ctx, defer_lookup=defer_lookup)
         op = "alloc"
@@ -158,7 +180,8 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
                     hits.append(b)
             k = len(hits)
             have = k
-            revived = int(np.count_nonzero(pool.ref_count[hits] == 0)) if k else 0
+            hit_arr = np.array(hits, dtype=np.int64)
+            revived = int(np.count_nonzero(pool.ref_count[hit_arr] == 0)) if k else 0
         else:
             have, revived = len(row), 0
         need = max(-(-ctx.current_position // page) - have, 0)
@@ -172,7 +195,7 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
         m = self._metrics
         if splice:
             if k:
-                pool.touch_many(hits)
+                pool.touch_many(hit_arr)
                 ctx.skip_processing(k * page)
             req.rows[leaf_id] = row = hits
             req.nulled[leaf_id] = 0
@@ -191,13 +214,15 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
         else:
             m.input_tokens += ctx.active_length
         req.counted_gen, req.counted_active = req.step_gen, ctx.active_length
-        return CompletedTransfer()
+        return _DONE
 
     def step(self, ctx: TextContext) -> None:
         """Commit what the forward wrote (call after ``ctx.update``); same contract as the reference."""
         if not self._fast or self._loads:
             return super().step(ctx)
-        req = self._req("step", ctx)
+        req = self._requests.get(ctx.request_id) if type(ctx) is TextContext else None
+        if req is None or req.ctx is not ctx:
+            req = self._req("step", ctx)
         if req.dummy:
             return
         row = req.rows[self._conn_leaf]
@@ -220,15 +245,13 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
         if end <= lo:
             return  # nothing new filled: nothing to publish
         pool = self._pools[0][self._conn_leaf]
-        step = self._page_bytes
         data = hashing.tokens_to_bytes(ctx.tokens[lo * page : end * page])
+        canon = pool.publish_run(row[lo:end], hashes[lo:end], data)
         for i in range(lo, end):
-            b = row[i]
-            j = i - lo
-            canon = pool.publish_bytes(b, hashes[i], data[j * step : (j + 1) * step])
-            if canon != b:  # Spec §5.2: twin dedup, keep the published copy
-                pool.touch(canon)
-                row[i] = canon
+            c, b = canon[i - lo], row[i]
+            if c != b:  # Spec §5.2: twin dedup, keep the published copy
+                pool.touch(c)
+                row[i] = c
                 pool.free([b])
         req.committed = end
 

@@ -178,10 +178,12 @@ def gather_kv(cache, layer: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
         bs, block_stride, row_stride = _geometry(cache, spec)
         return launch(K, V, cp.asarray(cache._table[slot]), n, block_size=bs, block_stride=block_stride,
                       row_stride=row_stride, kv_heads=spec.kv_heads, head_dim=spec.head_dim)
-    c = _copy()
-    word = c.word_dtype(spec.kv_heads * spec.head_dim * K.dtype.itemsize)
     out_k = np.empty((n, spec.kv_heads, spec.head_dim), K.dtype)
     out_v = np.empty_like(out_k)
+    if n == 0:
+        return out_k, out_v
+    c = _copy()
+    word = c.word_dtype(spec.kv_heads * spec.head_dim * K.dtype.itemsize)
     row_words = spec.kv_heads * spec.head_dim * K.dtype.itemsize // word.itemsize
     bs = cache.config.block_size
     table_row = cache._table[slot]
