@@ -302,6 +302,36 @@ class KVCacheComparison(RuleBasedStateMachine):
             for s, k in zip(slots, n):
                 self._tokens_for(s, seq[s] + k, data)
 
+    @precondition(lambda self: self.backend.ops is not None and self.strict)
+    @rule(data=st.data())
+    def gather_kv(self, data):
+        """``ops.gather_kv`` of one slot (exact; needs ``strict_block_ids`` because
+        positions reserved but never written hold a reused block's old bytes)."""
+        layers = self._layers(*_ATTN)
+        l = self._pick(data, st.sampled_from(layers), [len(self.specs)], "layer")
+        s = self._pick(data, st.integers(0, self.S - 1), [self.S], "slot")
+        self._both(f"ops.gather_kv(cache, {l}, {s})", lambda c, ops: tuple(to_numpy(x).copy() for x in ops.gather_kv(c, l, s)))
+
+    @precondition(lambda self: self.step is not None and self.backend.ops is not None and self.strict)
+    @rule(data=st.data())
+    def varlen_attention(self, data):
+        """``ops.varlen_attention`` through the last step: same errors, outputs within
+        dtype tolerance (float32 1e-5, half precision 1e-2)."""
+        ref_step, sut_step, rows = self.step
+        T = int(sum(n for _, _, n in rows))
+        l = data.draw(st.sampled_from(self._layers(*_ATTN, LayerKind.CROSS_ATTENTION)), label="layer")
+        sp = self.specs[l]
+        q = data.draw(kst.kv_arrays((T, sp.kv_heads * data.draw(st.integers(1, 2), label="group"), sp.head_dim), "float32"), label="q")
+        note(f"ops.varlen_attention(q, cache, {l}, step)  # q: {q.shape}")
+        r = capture(lambda: self.oracle.ops.varlen_attention(q, self.ref, l, ref_step))
+        s = capture(lambda: self.backend.ops.varlen_attention(q, self.sut, l, sut_step))
+        if r.raised or s.raised:
+            assert_same_outcome(f"ops.varlen_attention(q, cache, {l}, step)", r, s)
+            return
+        tol = 1e-5 if self.cfg.dtype == "float32" else 1e-2
+        np.testing.assert_allclose(to_numpy(s.value), to_numpy(r.value), rtol=tol, atol=tol,
+                                   err_msg=f"ops.varlen_attention(q, cache, {l}, step)")
+
     # ------------------------------------------------------------------ lifecycle
 
     @rule(data=st.data())
