@@ -569,3 +569,37 @@ def test_concurrent_offloads_and_loads_stay_consistent(params):
         assert page_bytes(buf, ids) == page_bytes(buf, srcs[k][:n])
     conn.check_invariants()
     conn.shutdown()
+
+
+# --------------------------------------------------------------------------- through the manager
+
+
+def test_end_to_end_replicas_share_the_host_tier():
+    """Replica 0 computes a prefix; after its device copy is gone, replica 1
+    loads it from the host tier with identical K/V."""
+    from _fault_connector import flush_device, kv_values, run_request, settle_manager
+
+    from kvref import PagedKVCacheManager, TextContext
+
+    p = make_params(data_parallel_degree=2)
+    conn = TieredConnector(host_bytes=8 * p.page_bytes())
+    m = PagedKVCacheManager(p, num_blocks=8, max_batch_size=2, max_seq_len=32, connector=conn)
+    prompt = np.arange(40, 53, dtype=np.int32)  # 3 full hashed blocks
+    run_request(m, TextContext("a", prompt), replica_idx=0)
+    settle_manager(m, 0)
+    flush_device(m, 0)
+    ctx = TextContext("b", prompt)
+    assert m.get_prefix_cache_hit_counts(ctx)[1].external_blocks == 3
+    m.claim(ctx, 1)
+    m.alloc(ctx).synchronize()
+    m.poll_transfers()
+    assert ctx.cached_prefix_external_length == 3 * PS
+    row = m.get_req_blocks_per_leaf(ctx)["full"]
+    buf = m.get_device_buffer(1)
+    for i in range(3):
+        want = kv_values(prompt[i * PS : (i + 1) * PS], np.arange(i * PS, (i + 1) * PS), buf.shape[1:], buf.dtype)
+        assert np.array_equal(buf[row[i]].transpose(2, 0, 1, 3, 4), want)
+    assert m.get_metrics_aggregated().h2d_bytes_copied == 3 * p.page_bytes()
+    m.release(ctx)
+    m.check_invariants()
+    m.shutdown()
