@@ -191,7 +191,12 @@ def test_alloc_out_of_blocks_in_a_hybrid_leaf_rolls_back():
     m.alloc(hog)
     b = TextContext("b", list(range(8)) + list(range(40, 50)))
     m.claim(b)
-    unchanged(m, InsufficientBlocksError, r"needs \d+ blocks of leaf", lambda: m.alloc(b), b, hog)
+    assert m.get_prefix_cache_hit_counts(b)[0].device_blocks == 2  # full, window and checkpoint agree
+    unchanged(m, InsufficientBlocksError, r"needs 3 blocks of leaf 'full', 1 free", lambda: m.alloc(b), b, hog)
+    m.release(hog)
+    m.alloc(b)  # the splice (checkpoint restore, nulled window) now succeeds
+    assert b.cached_prefix_length == 8
+    assert m.get_req_blocks_per_leaf(b)["swa"][0] == 0
 
 
 def test_step_before_alloc_covers_the_forward(busy):
