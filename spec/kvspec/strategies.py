@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from ._config import KVCacheConfig, KVCacheMode, KVLayerSpec
 from ._dtypes import KV_DTYPES
-from ._manager_types import KVCacheParams
+from ._manager_types import DEFAULT_LEAF_ID, KVCacheParams, LeafSpec
 
 __all__ = [
     "VOCAB",
@@ -153,11 +153,20 @@ def manager_setups(draw, capabilities=frozenset({"manager", "prefix_caching"})):
     Returns
     -------
     dict
-        ``params`` (a ``KVCacheParams`` with the default ``"full"`` leaf),
+        ``params`` (a ``KVCacheParams``: the ``"full"`` leaf, plus a sliding-window
+        leaf ``"swa"`` and a recurrent leaf ``"rec"`` when declared),
         ``num_blocks``, ``max_batch_size``, ``max_seq_len``.
     """
     page_size = draw(st.sampled_from(BLOCK_SIZES))
     max_seq_len = draw(st.integers(4, 16))
+    leaves = None
+    extra = []
+    if "sliding_window" in capabilities and draw(st.booleans()):
+        extra.append(("swa", LeafSpec.sliding_window(draw(st.integers(2, 6)))))
+    if "recurrent_leaf" in capabilities and draw(st.booleans()):
+        extra.append(("rec", LeafSpec.recurrent((2, 2))))
+    if extra:
+        leaves = {DEFAULT_LEAF_ID: LeafSpec.full(), **dict(extra)}
     replicas = draw(st.sampled_from((1, 1, 2))) if "replicas" in capabilities else 1
     caching = draw(st.sampled_from((True, True, True, False))) if "prefix_caching" in capabilities else False
     params = KVCacheParams(
@@ -170,11 +179,12 @@ def manager_setups(draw, capabilities=frozenset({"manager", "prefix_caching"})):
         enable_prefix_caching=caching,
         hash_algo=draw(st.sampled_from(("sha256", "xxh3_128"))),
         hash_seed=draw(st.sampled_from((0, 0, 5))),
+        leaves=leaves,
     )
     per_seq = math.ceil(max_seq_len / page_size)
     return {
         "params": params,
-        "num_blocks": draw(st.integers(2, 2 * per_seq + 2)),
+        "num_blocks": draw(st.integers(3, 2 * per_seq + 2)),
         "max_batch_size": draw(st.integers(1, 4)),
         "max_seq_len": max_seq_len,
     }

@@ -169,14 +169,31 @@ class ManagerComparison(RuleBasedStateMachine):
 
     @initialize(data=st.data())
     def make(self, data):
-        setup = data.draw(kst.manager_setups(self.backend.capabilities), label="setup")
+        # Spec §8.1 (manager.md): tiers serve single full-leaf managers, so a connector comes without extra leaves.
+        use_tiers = self.backend.supports("tiers", "prefix_caching") and data.draw(st.booleans(), label="connector")
+        caps = self.backend.capabilities - ({"sliding_window", "recurrent_leaf"} if use_tiers else set())
+        setup = data.draw(kst.manager_setups(caps), label="setup")
         self.params = setup["params"]
         self.max_seq_len = setup["max_seq_len"]
         self.dp = self.params.data_parallel_degree
         kw = {k: v for k, v in setup.items() if k != "params"}
-        note(f"manager = make_manager({self.params!r}, **{kw!r})")
-        self.ref = self.oracle.make_manager(self.params, **kw)
-        self.sut = self.backend.make_manager(self.params, **kw)
+        self.conns = (None, None)
+        if use_tiers and self.params.enable_prefix_caching:
+            from ._harness import ManualConnector
+
+            self.conns = (ManualConnector(), ManualConnector())
+        note(f"manager = make_manager({self.params!r}, **{kw!r}, connector={'ManualConnector()' if self.conns[0] else None})")
+        self.ref = self.oracle.make_manager(self.params, connector=self.conns[0], **kw)
+        self.sut = self.backend.make_manager(self.params, connector=self.conns[1], **kw)
+        self._start_requests(data)
+
+    def _start_requests(self, data):
+        """Two claimed requests sharing a prefix, so every example starts with work."""
+        for _ in range(2):
+            self._new(data, None)
+            rid = f"r{self.n_requests - 1}"
+            if self._both(f"manager.claim(ctx_{rid}, 0)", lambda m, cs: m.claim(cs[rid], 0)) is not None:
+                self.replica_of[rid] = 0
 
     # ------------------------------------------------------------------ requests
 
@@ -200,6 +217,9 @@ class ManagerComparison(RuleBasedStateMachine):
     @precondition(lambda self: self.ref is not None and len(self.ctx_ref) < 6)
     @rule(data=st.data(), salt=st.sampled_from([None, None, None, "s"]))
     def new_request(self, data, salt):
+        self._new(data, salt)
+
+    def _new(self, data, salt):
         prompt = self._shared_prompt(data)
         rid = f"r{self.n_requests}"
         self.n_requests += 1
@@ -284,6 +304,8 @@ class ManagerComparison(RuleBasedStateMachine):
     @rule(data=st.data())
     def runtime_inputs(self, data):
         chosen = [rid for rid in sorted(self.allocated) if data.draw(st.booleans(), label=f"batch {rid}")]
+        if not chosen and not data.draw(_RARE, label="empty batch"):
+            return
         batches = [[] for _ in range(self.dp)]
         for rid in chosen:
             batches[self.replica_of[rid]].append(rid)
@@ -295,28 +317,41 @@ class ManagerComparison(RuleBasedStateMachine):
             inputs = m.runtime_inputs([[cs[rid] for rid in b] for b in batches], max_cache_length=mcl)
             out = []
             for per in inputs.inputs:
-                lut = to_numpy(per.lookup_table)
-                out.append({
-                    # without strict block ids only which entries are live (non-null) must agree
-                    "lookup_table": lut if self.strict else lut != 0,
-                    "cache_lengths": per.cache_lengths,
-                    "max_prompt_length": per.max_prompt_length,
-                    "max_cache_length": per.max_cache_length,
-                })
+                leaves = per if isinstance(per, dict) else {DEFAULT_LEAF_ID: per}
+                view = {}
+                for lid, x in leaves.items():
+                    lut = to_numpy(x.lookup_table)
+                    view[lid] = {
+                        # without strict block ids only which entries are live (non-null) must agree
+                        "lookup_table": lut if self.strict else lut != 0,
+                        "cache_lengths": x.cache_lengths,
+                        "max_prompt_length": x.max_prompt_length,
+                        "max_cache_length": x.max_cache_length,
+                    }
+                out.append(view)
             return out
 
         self._both(f"manager.runtime_inputs({batches}, max_cache_length={mcl})", call)
 
-    @rule(data=st.data())
-    def get_prefix_cache_hit_counts(self, data):
+    @rule(data=st.data(), gate=st.booleans())
+    def get_prefix_cache_hit_counts(self, data, gate):
+        if not gate:
+            return
         prompt = self._shared_prompt(data)
         tokens = np.array(prompt[: self.max_seq_len], np.int32)
         self._both(f"manager.get_prefix_cache_hit_counts(TextContext('probe', {tokens.tolist()}))",
                    lambda m, cs: m.get_prefix_cache_hit_counts(TextContext("probe", tokens)))
 
+    @precondition(lambda self: self.ref is not None and self.conns[0] is not None)
+    @rule()
+    def land_transfers(self):
+        """Land every pending connector load on both sides (the copies finish)."""
+        note("connector.land()")
+        assert self.conns[0].land() == self.conns[1].land(), "pending loads differ between kvref and the backend"
+
     @rule(gate=_RARE)
     def reset_prefix_cache(self, gate):
-        if gate:
+        if gate or (self.conns[0] is not None and len(self.conns[0].store)):
             self._both("manager.reset_prefix_cache()", lambda m, cs: m.reset_prefix_cache())
 
     @rule(gate=_RARE)
