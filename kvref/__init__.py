@@ -24,6 +24,7 @@ _LAZY = {
     "KVCache": "._slot_cache",
     "PagedKVCacheManager": "._manager",
     "TieredConnector": "._tiers",
+    "RemoteTier": "._remote_tier",
     "ops": ".ops",
     "conformance_backend": "._backend",
 }

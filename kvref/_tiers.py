@@ -42,6 +42,7 @@ from kvspec.hashing import digest_size
 
 from ._disk_tier import DiskBlockError, DiskTier, geometry_of
 from ._host_tier import Evicted, HostTier
+from ._remote_tier import RemoteTier, RemoteTierMetrics
 
 __all__ = ["TieredConnector", "TierTransfer", "TierStats", "WRITE_POLICIES"]
 
@@ -148,6 +149,11 @@ class TieredConnector:
         evicts it.
     num_workers : int
         Worker threads (>= 1).
+    remote_url : str, optional
+        ``redis://host:port/db`` or ``redis+cluster://host:port``: a shared
+        ``RemoteTier`` under host and disk (spec/remote-tier.md §7).
+    remote_namespace, remote_ttl_s, remote_timeout_s, remote_reconnect_interval_s : optional
+        ``RemoteTier``'s ``namespace``, ``ttl_s``, ``timeout_s`` and ``reconnect_interval_s``.
 
     Raises
     ------
@@ -179,6 +185,11 @@ class TieredConnector:
         *,
         write_policy: str = "write_through",
         num_workers: int = 2,
+        remote_url: str | None = None,
+        remote_namespace: str = "kvcache",
+        remote_ttl_s: float | None = None,
+        remote_timeout_s: float = 0.05,
+        remote_reconnect_interval_s: float = 1.0,
     ):
         o = "TieredConnector"
         host_bytes = check_int(o, "host_bytes", host_bytes, low=0)
@@ -190,6 +201,12 @@ class TieredConnector:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"{o}: write_policy={write_policy!r}, must be one of {list(WRITE_POLICIES)}")
         num_workers = check_int(o, "num_workers", num_workers, low=1)
+        remote = None
+        if remote_url is not None:
+            # Spec remote-tier §7: validated here (no I/O); bound to the geometry at attach.
+            remote = RemoteTier(remote_url, namespace=remote_namespace, ttl_s=remote_ttl_s,
+                                timeout_s=remote_timeout_s, reconnect_interval_s=remote_reconnect_interval_s)
+        self._remote = remote
         self.host_bytes = host_bytes
         self.disk_bytes = disk_bytes
         self.disk_dir = Path(disk_dir) if disk_dir is not None else None
@@ -289,6 +306,8 @@ class TieredConnector:
             except OSError as err:
                 raise ValueError(f"{o}: disk_dir={str(self.disk_dir)!r} cannot be opened: {err}") from err
         host = HostTier(self.host_bytes // page_bytes, page_bytes)
+        if self._remote is not None:
+            self._remote.bind(params)
         with self._lock:
             self._params, self._geometry, self._pages, self._page_bytes = params, geometry, pages, page_bytes
             self._host, self._disk = host, disk
@@ -326,7 +345,10 @@ class TieredConnector:
                 if self._host.get(h, t) is None and (self._disk is None or self._disk.get(h, t) is None):
                     break
                 n += 1
-            return n
+        if self._remote is not None and n < len(hs):
+            # Spec remote-tier §7: the run continues in Redis (one round trip, outside the lock).
+            n += self._remote.lookup(hs[n:])
+        return n
 
     def load(
         self, block_ids: Sequence[int], hashes: Sequence[bytes], tokens: np.ndarray, replica_idx: int = 0
@@ -380,6 +402,11 @@ class TieredConnector:
                     plan.append(("host", e))
                     continue
                 d = self._disk.get(h, t) if self._disk is not None else None
+                if d is None and self._remote is not None:
+                    # Spec remote-tier §7: fetched and verified by the worker; a refusal there
+                    # fails the handle (KVLoadFailed), the pages are never published.
+                    plan.append(("remote", None))
+                    continue
                 if d is None:
                     # Spec tiers §5: all or refuse; the refusal is counted, nothing else changes.
                     self._metrics.connector_loads_refused += 1
@@ -389,7 +416,8 @@ class TieredConnector:
                     )
                 plan.append(("disk", d))
             for tier, e in plan:
-                (self._host if tier == "host" else self._disk).pin(e)
+                if tier != "remote":
+                    (self._host if tier == "host" else self._disk).pin(e)
             self._host.touch(reversed(hs))
             if self._disk is not None:
                 self._disk.touch(reversed(hs))
@@ -449,6 +477,9 @@ class TieredConnector:
             self._host.touch(reversed(hs))
             if self._disk is not None:
                 self._disk.touch(reversed(hs))
+            if self._remote is not None and self._remote.ttl_s is not None and self._executor is not None:
+                # Spec remote-tier §7: refresh the TTL on a worker; no network on the caller's thread.
+                self._background.append(self._executor.submit(self._remote.touch, hs))
 
     def poll_transfers(self) -> None:
         """Reap finished background work (promotions into host); never blocks.
@@ -490,6 +521,8 @@ class TieredConnector:
             wait_futures(pending)
         if executor is not None:
             executor.shutdown(wait=True)
+        if self._remote is not None:
+            self._remote.close()
         with self._lock:
             self._background.clear()
             self._executor = None
@@ -520,13 +553,22 @@ class TieredConnector:
         ``disk_bytes_written``, ``disk_bytes_read``, ``connector_loads_refused``,
         ``connector_offload_blocks_dropped``."""
         with self._lock:
-            return self._metrics.copy()
+            out = self._metrics.copy()
+            if self._remote is not None:
+                out.connector_offload_blocks_dropped += self._remote.metrics.offloads_dropped
+            return out
 
     def take_metrics(self) -> KVCacheMetrics:
         """The counters, then zero them."""
         with self._lock:
             out, self._metrics = self._metrics, KVCacheMetrics()
+            if self._remote is not None:
+                out.connector_offload_blocks_dropped += self._remote.take_metrics().offloads_dropped
             return out
+
+    def remote_metrics(self) -> RemoteTierMetrics:
+        """The remote tier's counters since the last ``take_metrics`` (zeros without one)."""
+        return self._remote.metrics if self._remote is not None else RemoteTierMetrics()
 
     # ------------------------------------------------------------------ inspection
 
@@ -598,9 +640,23 @@ class TieredConnector:
         host, disk, pb = self._host, self._disk, self._page_bytes
         promote: list[tuple[bytes, np.ndarray, np.ndarray]] = []
         try:
+            remote_at = [i for i, (tier, _) in enumerate(plan) if tier == "remote"]
+            fetched = {}
+            if remote_at:
+                try:
+                    got = self._remote.get_many([hs[i] for i in remote_at], toks[remote_at])
+                except KVLoadRefused as err:
+                    with self._lock:
+                        self._stats["load_failures"] += 1
+                    raise KVLoadFailed(f"TieredConnector.load: remote tier refused the load: {err}") from err
+                fetched = dict(zip(remote_at, got))
             for i, (bid, h, t, (tier, e)) in enumerate(zip(ids, hs, toks, plan)):
                 if tier == "host":
                     np.copyto(pages[bid], host.arena[e.slot])
+                elif tier == "remote":
+                    data = np.frombuffer(fetched[i], dtype=np.uint8)
+                    np.copyto(pages[bid], data)
+                    promote.append((h, t, data))
                 else:
                     try:
                         payload, nread = self._disk_read(h, t)
@@ -623,7 +679,8 @@ class TieredConnector:
         finally:
             with self._lock:
                 for tier, e in plan:
-                    (host if tier == "host" else disk).unpin(e)
+                    if tier != "remote":
+                        (host if tier == "host" else disk).unpin(e)
                 if promote and host.num_slots and self._executor is not None:
                     # Spec tiers §9: a reset after the post forgets these blocks too
                     self._background.append(self._executor.submit(self._promote, promote, epoch))
@@ -662,7 +719,10 @@ class TieredConnector:
                         disk_e = disk.reserve(h, t)
                         disk_ok = disk_e is not None
                 host_missing = host.num_slots > 0 and not host_ok and not (write_back and to_disk)
-                dropped = host_missing or not disk_ok or not (host_ok or (to_disk and disk_ok))
+                # Spec remote-tier §7: with a remote tier, a block no local tier was meant to
+                # take is the remote's to store (put_many counts its own drops).
+                stored_nowhere = not (host_ok or (to_disk and disk_ok)) and self._remote is None
+                dropped = host_missing or not disk_ok or stored_nowhere
             if host_e is not None:
                 np.copyto(host.arena[host_e.slot], src)
                 with self._lock:
@@ -676,6 +736,10 @@ class TieredConnector:
                 with self._lock:
                     self._metrics.connector_offload_blocks_dropped += 1
             self._write_evicted(evicted)
+        if self._remote is not None:
+            # Spec remote-tier §7: SET NX of the pinned source pages, one round trip; a failing
+            # store drops them (counted by the remote tier), never raises.
+            self._remote.put_many(hs, toks, [pages[bid] for bid in ids])
         with self._lock:
             host.touch(reversed(hs))
             if disk is not None:
