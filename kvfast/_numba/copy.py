@@ -11,15 +11,18 @@ array plus a base offset, ``block_size``, ``block_stride`` and ``row_stride``
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 __all__ = [
     "PARALLEL_BYTES", "word_dtype", "as_words", "flat_words",
     "scatter_rows", "gather_rows", "copy_blocks", "zero_rows",
 ]
 
-#: Steps moving at least this many bytes use the parallel scatter (prange).
-PARALLEL_BYTES = 4 << 20
+#: Steps moving at least this many bytes use the parallel scatter (prange
+#: over spans); smaller steps finish before a thread pool wakes up.
+PARALLEL_BYTES = 512 << 10
 
 _WORDS = (np.dtype(np.uint64), np.dtype(np.uint32), np.dtype(np.uint16), np.dtype(np.uint8))
 
@@ -50,35 +53,95 @@ def flat_words(buffer: np.ndarray, word: np.dtype) -> np.ndarray:
     return buffer.reshape(-1).view(word)
 
 
+@intrinsic
+def _memcpy(typingctx, dst, src, nbytes):
+    """``memcpy(dst, src, nbytes)`` on raw addresses (LLVM's memcpy intrinsic, so
+    libc's vectorised copy; no globals, so the kernels stay cacheable)."""
+    sig = types.void(types.intp, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        d, s_, n = args
+        dp = builder.inttoptr(d, cgutils.voidptr_t)
+        sp = builder.inttoptr(s_, cgutils.voidptr_t)
+        cgutils.raw_memcpy(builder, dp, sp, n, 1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @njit(nogil=True, cache=True)
-def _scatter_serial(src_k, src_v, dst_k, dst_v, k_base, v_base, slot_mapping, block_size, block_stride, row_stride):
-    n_rows, r = src_k.shape
-    for t in range(n_rows):
-        slot = slot_mapping[t]
-        if slot < 0:  # padding token
+def _runs(slot_mapping, block_size, starts, lengths):
+    """Split tokens into runs of consecutive slots inside one block (one memcpy each).
+
+    Padding tokens (slot < 0) form no run. Returns the number of runs.
+    """
+    n = slot_mapping.shape[0]
+    k = 0
+    t = 0
+    while t < n:
+        s = slot_mapping[t]
+        if s < 0:
+            t += 1
             continue
-        off = (slot // block_size) * block_stride + (slot % block_size) * row_stride
-        dk = k_base + off
-        dv = v_base + off
-        for i in range(r):
-            dst_k[dk + i] = src_k[t, i]
-        for i in range(r):
-            dst_v[dv + i] = src_v[t, i]
+        length = 1
+        room = block_size - s % block_size
+        while t + length < n and length < room and slot_mapping[t + length] == s + length:
+            length += 1
+        starts[k] = t
+        lengths[k] = length
+        k += 1
+        t += length
+    return k
+
+
+@njit(nogil=True, cache=True)
+def _copy_runs_serial(src_k, src_v, dst_k, dst_v, k_base, v_base, slot_mapping, starts, lengths, n_runs,
+                      block_size, block_stride, row_stride):
+    isz = dst_k.itemsize
+    row_bytes = src_k.shape[1] * isz
+    sk = src_k.ctypes.data
+    sv = src_v.ctypes.data
+    sks = src_k.strides[0]
+    svs = src_v.strides[0]
+    dk = dst_k.ctypes.data
+    dv = dst_v.ctypes.data
+    for j in range(n_runs):
+        t = starts[j]
+        s = slot_mapping[t]
+        off = (s // block_size) * block_stride + (s % block_size) * row_stride
+        if sks == row_bytes and row_stride * isz == row_bytes:  # whole run is one contiguous span
+            _memcpy(dk + (k_base + off) * isz, sk + t * sks, lengths[j] * row_bytes)
+            _memcpy(dv + (v_base + off) * isz, sv + t * svs, lengths[j] * row_bytes)
+        else:
+            for i in range(lengths[j]):
+                o = off + i * row_stride
+                _memcpy(dk + (k_base + o) * isz, sk + (t + i) * sks, row_bytes)
+                _memcpy(dv + (v_base + o) * isz, sv + (t + i) * svs, row_bytes)
 
 
 @njit(nogil=True, cache=True, parallel=True)
-def _scatter_parallel(src_k, src_v, dst_k, dst_v, k_base, v_base, slot_mapping, block_size, block_stride, row_stride):
-    n_rows, r = src_k.shape
-    for t in prange(n_rows):
-        slot = slot_mapping[t]
-        if slot >= 0:
-            off = (slot // block_size) * block_stride + (slot % block_size) * row_stride
-            dk = k_base + off
-            dv = v_base + off
-            for i in range(r):
-                dst_k[dk + i] = src_k[t, i]
-            for i in range(r):
-                dst_v[dv + i] = src_v[t, i]
+def _copy_runs_parallel(src_k, src_v, dst_k, dst_v, k_base, v_base, slot_mapping, starts, lengths, n_runs,
+                        block_size, block_stride, row_stride):
+    isz = dst_k.itemsize
+    row_bytes = src_k.shape[1] * isz
+    sk = src_k.ctypes.data
+    sv = src_v.ctypes.data
+    sks = src_k.strides[0]
+    svs = src_v.strides[0]
+    dk = dst_k.ctypes.data
+    dv = dst_v.ctypes.data
+    for j in prange(n_runs):
+        t = starts[j]
+        s = slot_mapping[t]
+        off = (s // block_size) * block_stride + (s % block_size) * row_stride
+        if sks == row_bytes and row_stride * isz == row_bytes:
+            _memcpy(dk + (k_base + off) * isz, sk + t * sks, lengths[j] * row_bytes)
+            _memcpy(dv + (v_base + off) * isz, sv + t * svs, lengths[j] * row_bytes)
+        else:
+            for i in range(lengths[j]):
+                o = off + i * row_stride
+                _memcpy(dk + (k_base + o) * isz, sk + (t + i) * sks, row_bytes)
+                _memcpy(dv + (v_base + o) * isz, sv + (t + i) * svs, row_bytes)
 
 
 def scatter_rows(src_k, src_v, dst_k, dst_v, k_base, v_base, slot_mapping, block_size, block_stride, row_stride):
@@ -86,12 +149,21 @@ def scatter_rows(src_k, src_v, dst_k, dst_v, k_base, v_base, slot_mapping, block
     ``slot_mapping[t]`` of the flat word arrays ``dst_k``/``dst_v``.
 
     Destination word of slot ``s``: ``base + (s // block_size) * block_stride
-    + (s % block_size) * row_stride``; ``s < 0`` is skipped (padding).
-    Parallel over tokens when the step moves >= ``PARALLEL_BYTES``.
+    + (s % block_size) * row_stride``; ``s < 0`` is skipped (padding). Tokens
+    going to consecutive slots of one block are copied as one span; spans run
+    in parallel (``prange``) when the step moves >= ``PARALLEL_BYTES``. Rows are copied with libc
+    ``memcpy`` (bit patterns, vectorised by libc). Slots must be distinct
+    (a step's slot_mapping always is).
     """
+    n = slot_mapping.shape[0]
+    starts = np.empty(n, np.int64)
+    lengths = np.empty(n, np.int64)
+    n_runs = _runs(slot_mapping, block_size, starts, lengths)
     nbytes = 2 * src_k.size * src_k.itemsize
-    fn = _scatter_parallel if nbytes >= PARALLEL_BYTES else _scatter_serial
-    fn(src_k, src_v, dst_k, dst_v, k_base, v_base, slot_mapping, block_size, block_stride, row_stride)
+    parallel = nbytes >= PARALLEL_BYTES
+    fn = _copy_runs_parallel if parallel and n_runs > 1 else _copy_runs_serial
+    fn(src_k, src_v, dst_k, dst_v, k_base, v_base, slot_mapping, starts, lengths, n_runs,
+       block_size, block_stride, row_stride)
 
 
 @njit(nogil=True, cache=True)

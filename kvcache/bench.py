@@ -1,0 +1,332 @@
+"""``kvcache bench``: the kvfast / kvref ratio table, measured in one run (issue 5).
+
+Each row times two things in the same process, interleaved, and reports
+their ratio (best of ``repeat`` timings of each):
+
+* ``append_kv decode`` / ``append_kv prefill``: ``kvfast.ops.append_kv`` on
+  the CPU for a decode step (256 rows x 1 token) and a prefill step (8 rows x
+  1024 tokens), 8 KV heads x 128, float16, paged storage; the ratio is its
+  effective bandwidth over ``numpy.copyto`` of the same bytes (K and V)
+  between two contiguous buffers (target >= 0.6).
+* ``prepare_step decode``: ``prepare_step`` for 256 decode rows, kvref time
+  over kvfast time (target >= 20).
+* ``manager replay``: the peer bookkeeping workload (``WORKLOAD.md`` of the
+  peers folder: 20 shared 1024-token system prompts, waves of 64, 64 decode
+  steps, 8192 blocks of 16 tokens) driven through ``PagedKVCacheManager`` the
+  way ``benchmarks/kvfast_adapter.py`` drives it, on the first
+  ``replay_requests`` requests; kvref time over kvfast time (target >= 10).
+  Hit tokens and peak blocks of both are reported and must agree.
+
+Run ``kvcache bench`` (or ``python -m kvcache.bench``); ``--quick`` shrinks
+the repetitions for a smoke run; ``--json PATH`` writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+__all__ = ["run_bench", "print_table", "main", "peer_workload", "replay_manager"]
+
+# Peer workload constants (WORKLOAD.md §1).
+SEED = 20260601
+NUM_REQUESTS = 2000
+NUM_PREFIXES = 20
+PREFIX_LEN = 1024
+VOCAB = 32000
+BLOCK_SIZE = 16
+POOL_BLOCKS = 8192
+WAVE = 64
+DECODE_STEPS = 64
+
+
+def _best(fn: Callable[[], object], repeat: int, number: int = 1) -> float:
+    """Best wall time of ``number`` calls of ``fn``, over ``repeat`` runs, in seconds per call."""
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / number)
+    return best
+
+
+def _interleaved(a: Callable[[], object], b: Callable[[], object], repeat: int, number: int) -> tuple[float, float]:
+    """Best per-call times of ``a`` and ``b``, timed alternately (A B / B A ...)."""
+    ta = tb = float("inf")
+    for r in range(repeat):
+        for which in ((0, 1) if r % 2 == 0 else (1, 0)):
+            t = _best(a if which == 0 else b, 1, number)
+            if which == 0:
+                ta = min(ta, t)
+            else:
+                tb = min(tb, t)
+    return ta, tb
+
+
+# --------------------------------------------------------------------------- append_kv
+
+
+def _append_case(rows: int, q: int, repeat: int, number: int) -> dict:
+    import kvfast
+    from kvspec import KVCacheConfig, KVCacheMode, KVLayerSpec
+
+    heads, dim, bs = 8, 128, 16
+    max_seq_len = 2048
+    past = 0 if q > 1 else 100
+    # a pool holding exactly the rows' blocks (plus the null block), as a serving pool would
+    num_blocks = rows * -(-(past + q) // bs) + 1
+    cfg = KVCacheConfig(num_layers=1, max_seqs=rows, max_seq_len=max_seq_len, mode=KVCacheMode.PAGED,
+                        block_size=bs, num_blocks=num_blocks, dtype="float16")
+    cache = kvfast.KVCache.make(cfg, [KVLayerSpec.attention(heads, dim)])
+    slots = np.arange(rows, dtype=np.int32)
+    if past:
+        cache.reserve(slots, np.full(rows, past))
+    cu = np.arange(rows + 1, dtype=np.int32) * q
+    step = cache.prepare_step(cu, np.full(rows, past, np.int32), slots)
+    rng = np.random.default_rng(0)
+    t = rows * q
+    k = rng.standard_normal((t, heads, dim)).astype(np.float16)
+    v = rng.standard_normal((t, heads, dim)).astype(np.float16)
+    src = np.concatenate([k.reshape(-1), v.reshape(-1)])
+    dst = np.empty_like(src)
+    dst[...] = 1  # touch
+    cache.keys(0)[...] = 1
+    cache.values(0)[...] = 1
+    kvfast.ops.append_kv(cache, 0, k, v, step)  # compile / load the kernel
+    t_copy, t_fast = _interleaved(lambda: np.copyto(dst, src), lambda: kvfast.ops.append_kv(cache, 0, k, v, step),
+                                  repeat, number)
+    nbytes = src.nbytes
+    return {
+        "name": f"append_kv {'prefill' if q > 1 else 'decode'} ({rows} rows x {q} tok, 8x128 fp16)",
+        "metric": "bandwidth vs numpy.copyto",
+        "ratio": t_copy / t_fast,
+        "target": 0.6,
+        "detail": (f"{nbytes / 2**20:.1f} MiB; kvfast {t_fast * 1e6:.1f} us = {nbytes / t_fast / 1e9:.2f} GB/s, "
+                   f"copyto {t_copy * 1e6:.1f} us = {nbytes / t_copy / 1e9:.2f} GB/s"),
+    }
+
+
+# --------------------------------------------------------------------------- prepare_step
+
+
+def _prepare_case(rows: int, repeat: int, number: int) -> dict:
+    import kvfast
+    import kvref
+    from kvspec import KVCacheConfig, KVCacheMode, KVLayerSpec
+
+    cfg = KVCacheConfig(num_layers=1, max_seqs=rows, max_seq_len=2048, mode=KVCacheMode.PAGED, block_size=16)
+    spec = [KVLayerSpec.attention(8, 128)]
+    caches = []
+    slots = np.arange(rows, dtype=np.int32)
+    for mod in (kvref, kvfast):
+        c = mod.KVCache.make(cfg, spec)
+        c.reserve(slots, np.full(rows, 100))
+        caches.append(c)
+    cu = np.arange(rows + 1, dtype=np.int32)
+    past = np.full(rows, 100, np.int32)
+    a = caches[0].prepare_step(cu, past, slots)
+    b = caches[1].prepare_step(cu, past, slots)
+    assert np.array_equal(a.slot_mapping, b.slot_mapping)
+    t_ref, t_fast = _interleaved(lambda: caches[0].prepare_step(cu, past, slots),
+                                 lambda: caches[1].prepare_step(cu, past, slots), repeat, number)
+    return {
+        "name": f"prepare_step decode ({rows} rows, paged)",
+        "metric": "kvref time / kvfast time",
+        "ratio": t_ref / t_fast,
+        "target": 20.0,
+        "detail": f"kvref {t_ref * 1e6:.1f} us, kvfast {t_fast * 1e6:.1f} us",
+    }
+
+
+# --------------------------------------------------------------------------- manager replay
+
+
+def peer_workload(num_requests: int = NUM_REQUESTS):
+    """The peer bookkeeping workload (WORKLOAD.md §2, same draws), first ``num_requests`` requests.
+
+    Returns
+    -------
+    prompts : list of int64 arrays
+    gen : int64 [num_requests, 65]
+        Sampled tokens.
+    fingerprint : str
+        First 16 hex digits of the sha256 of the full workload (``11393283c391264a``).
+    """
+    import hashlib
+
+    rng = np.random.default_rng(SEED)
+    prefixes = rng.integers(0, VOCAB, size=(NUM_PREFIXES, PREFIX_LEN), dtype=np.int64)
+    prefix_idx = rng.integers(0, NUM_PREFIXES, size=NUM_REQUESTS, dtype=np.int64)
+    suffix_len = rng.integers(256, 2048, size=NUM_REQUESTS, endpoint=True, dtype=np.int64)
+    prompts = []
+    for i in range(NUM_REQUESTS):
+        suffix = rng.integers(0, VOCAB, size=suffix_len[i], dtype=np.int64)
+        prompts.append(np.concatenate([prefixes[prefix_idx[i]], suffix]))
+    gen = rng.integers(0, VOCAB, size=(NUM_REQUESTS, DECODE_STEPS + 1), dtype=np.int64)
+    h = hashlib.sha256()
+    for p in prompts:
+        h.update(p.astype("<i8").tobytes())
+    h.update(gen.astype("<i8").tobytes())
+    return prompts[:num_requests], gen[:num_requests], h.hexdigest()[:16]
+
+
+def replay_manager(manager_cls, prompts, gen) -> dict:
+    """Run the peer schedule (WORKLOAD.md §3) through ``manager_cls``; times every phase.
+
+    Per request: ``claim`` + ``alloc`` (hashing, verified prefix hit, pages),
+    prefill marked computed up to its last token and ``step`` (publishes the
+    prompt's full blocks, so later requests of the wave hit them); then per
+    sampled token ``ctx.update`` + ``step``, and per decode step ``alloc``;
+    finally ``release``. Returns seconds spent, hit tokens and peak blocks.
+    """
+    from kvspec import KVCacheParams, TextContext
+
+    params = KVCacheParams(page_size=BLOCK_SIZE, num_layers=1, kv_heads=1, head_dim=1)
+    gc.collect()
+    m = manager_cls(params, num_blocks=POOL_BLOCKS + 1, max_batch_size=WAVE, max_seq_len=1 << 16)
+    gc.collect()
+    gc.freeze()
+    try:
+        perf = time.perf_counter
+        busy = 0.0
+        hits = peak = 0
+        n = len(prompts)
+        for w0 in range(0, n, WAVE):
+            ids = range(w0, min(w0 + WAVE, n))
+            ctxs = [TextContext(str(i), prompts[i]) for i in ids]
+            t0 = perf()
+            for ctx in ctxs:
+                m.claim(ctx)
+                m.alloc(ctx)
+                ctx.skip_processing(ctx.active_length - 1)
+                m.step(ctx)
+                hits += ctx.cached_prefix_length
+            for i, ctx in zip(ids, ctxs):
+                ctx.update(int(gen[i, 0]))
+                m.step(ctx)
+            for s in range(1, DECODE_STEPS + 1):
+                for ctx in ctxs:
+                    m.alloc(ctx)
+                for i, ctx in zip(ids, ctxs):
+                    ctx.update(int(gen[i, s]))
+                    m.step(ctx)
+            busy += perf() - t0
+            peak = max(peak, POOL_BLOCKS - m.block_count().free)
+            t0 = perf()
+            for ctx in ctxs:
+                m.release(ctx)
+            busy += perf() - t0
+        return {"seconds": busy, "hit_tokens": hits, "peak_blocks": peak, "free_at_end": m.block_count().free}
+    finally:
+        gc.unfreeze()
+
+
+def _replay_case(num_requests: int, repeat: int) -> dict:
+    import kvfast
+    import kvref
+
+    prompts, gen, fp = peer_workload(num_requests if num_requests else NUM_REQUESTS)
+    replay_manager(kvfast.PagedKVCacheManager, prompts[:WAVE], gen[:WAVE])  # load the kernels
+    best = {}
+    res = {}
+    for r in range(repeat):
+        for name, cls in ((("kvref", kvref.PagedKVCacheManager), ("kvfast", kvfast.PagedKVCacheManager))
+                          if r % 2 == 0 else (("kvfast", kvfast.PagedKVCacheManager),
+                                              ("kvref", kvref.PagedKVCacheManager))):
+            out = replay_manager(cls, prompts, gen)
+            best[name] = min(best.get(name, float("inf")), out["seconds"])
+            res[name] = out
+    same = (res["kvref"]["hit_tokens"], res["kvref"]["peak_blocks"]) == (res["kvfast"]["hit_tokens"],
+                                                                         res["kvfast"]["peak_blocks"])
+    n = len(prompts)
+    return {
+        "name": f"manager replay (peer workload, first {n} requests)",
+        "metric": "kvref time / kvfast time",
+        "ratio": best["kvref"] / best["kvfast"],
+        "target": 10.0,
+        "detail": (f"kvref {best['kvref'] / n * 1e6:.0f} us/req, kvfast {best['kvfast'] / n * 1e6:.0f} us/req; "
+                   f"hits {res['kvfast']['hit_tokens']} peak {res['kvfast']['peak_blocks']} "
+                   f"({'same' if same else 'DIFFERENT'} in kvref); fingerprint {fp}"),
+        "hit_tokens": res["kvfast"]["hit_tokens"],
+        "peak_blocks": res["kvfast"]["peak_blocks"],
+        "agree": same,
+    }
+
+
+# --------------------------------------------------------------------------- table
+
+
+def run_bench(*, quick: bool = False, replay_requests: int = 128, only: Sequence[str] | None = None) -> list[dict]:
+    """Measure every row of the ratio table in this process.
+
+    Parameters
+    ----------
+    quick : bool
+        Fewer repetitions (a smoke run; ratios are noisier).
+    replay_requests : int
+        Requests of the peer workload replayed through both managers
+        (kvref needs ~50 ms per request; 0 means all 2000).
+    only : sequence of str, optional
+        Subset of ``{"append", "prepare", "replay"}``.
+
+    Returns
+    -------
+    list of dict
+        One per row: ``name``, ``metric``, ``ratio``, ``target``, ``met``, ``detail``.
+    """
+    only = set(only or ("append", "prepare", "replay"))
+    rep = 3 if quick else 15
+    rows = []
+    if "append" in only:
+        rows.append(_append_case(256, 1, rep, 20 if quick else 200))
+        rows.append(_append_case(8, 1024, rep, 2 if quick else 10))
+    if "prepare" in only:
+        rows.append(_prepare_case(256, rep, 5 if quick else 50))
+    if "replay" in only:
+        rows.append(_replay_case(min(replay_requests, 64) if quick else replay_requests, 1 if quick else 3))
+    for r in rows:
+        r["met"] = r["ratio"] >= r["target"]
+    return rows
+
+
+def print_table(rows: list[dict], file=None) -> None:
+    """Print the ratio table (one line per row, then its detail)."""
+    w = max(len(r["name"]) for r in rows) if rows else 10
+    print(f"{'benchmark':<{w}}  {'metric':<27} {'ratio':>8} {'target':>8}  met", file=file)
+    for r in rows:
+        print(f"{r['name']:<{w}}  {r['metric']:<27} {r['ratio']:>8.2f} {r['target']:>8.2f}  "
+              f"{'yes' if r['met'] else 'NO'}", file=file)
+        print(f"{'':<{w}}    {r['detail']}", file=file)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``kvcache bench [--quick] [--replay-requests N] [--only append,prepare,replay] [--json PATH]``."""
+    ap = argparse.ArgumentParser(prog="kvcache bench", description="kvfast vs kvref / numpy ratio table, one run")
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
+    ap.add_argument("--replay-requests", type=int, default=128,
+                    help="peer-workload requests replayed through both managers (0 = all 2000)")
+    ap.add_argument("--only", default="", help="comma list of append,prepare,replay")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args(list(argv) if argv is not None else None)
+    if args.replay_requests < 0:
+        ap.error(f"--replay-requests={args.replay_requests}, must be >= 0")
+    only = [x for x in args.only.split(",") if x] or None
+    bad = set(only or ()) - {"append", "prepare", "replay"}
+    if bad:
+        ap.error(f"--only: unknown {sorted(bad)}, choose from append,prepare,replay")
+    rows = run_bench(quick=args.quick, replay_requests=args.replay_requests, only=only)
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":  # python -m kvcache.bench
+    raise SystemExit(main())
