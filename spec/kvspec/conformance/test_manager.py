@@ -142,11 +142,11 @@ def test_runtime_inputs_pad_with_the_null_block(kv_backend, kv_oracle):
     p.agree()
 
 
+@pytest.mark.kv_requires("manager", "tiers", "prefix_caching")
 def test_onload_published_only_after_it_lands(kv_backend, kv_oracle):
     """DESIGN §5 / manager note §9: a page loaded from a tier is published (hittable
     from the device) only once its transfer has landed; before that a probe
     sees it as external, and after landing its bytes are the offloaded ones."""
-    require(kv_backend, "manager", "tiers", "prefix_caching")
     conns = (ManualConnector(), ManualConnector())
     p = _pair(kv_backend, kv_oracle, connectors=conns, num_blocks=12)
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
