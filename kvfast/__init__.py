@@ -9,14 +9,17 @@ are built by compiled kernels, and K/V move by bit-pattern copy kernels
 Public surface: ``KVCache`` (slot cache), ``PagedKVCacheManager`` (request
 manager), ``ops`` (``append_kv``, ``gather_kv``, ``varlen_attention``),
 ``check_invariants``, ``TieredConnector``, ``conformance_backend`` and every
-``kvspec`` name re-exported. Numba and CuPy are imported on first use, never
-at ``import kvfast``.
+``kvspec`` name re-exported. Every other public name of ``kvref`` (the tiers,
+which are bandwidth-bound and shared by both packages) resolves to kvref's
+object, so ``kvfast`` always offers at least ``kvref``'s surface. Numba and
+CuPy are imported on first use, never at ``import kvfast``.
 """
 
 from __future__ import annotations
 
 import importlib
 
+import kvref as _kvref
 from kvspec import *  # noqa: F401,F403  (the shared names, DESIGN §3)
 from kvspec import __all__ as _spec_all
 
@@ -31,7 +34,7 @@ _LAZY = {
     "conformance_backend": "._backend",
 }
 
-__all__ = sorted(set(_spec_all) | set(_LAZY) | {"check_invariants"})
+__all__ = sorted(set(_spec_all) | set(_LAZY) | set(_kvref.__all__) | {"check_invariants"})
 
 
 def check_invariants(obj) -> None:
@@ -43,6 +46,10 @@ def check_invariants(obj) -> None:
 def __getattr__(name):
     mod = _LAZY.get(name)
     if mod is None:
+        if name in _kvref.__all__:  # shared with the reference (tiers)
+            value = getattr(_kvref, name)
+            globals()[name] = value
+            return value
         raise AttributeError(f"module 'kvfast' has no attribute {name!r}")
     module = importlib.import_module(mod, __name__)
     value = module if name == "ops" else getattr(module, name)
