@@ -361,7 +361,7 @@ class ManagerComparison(RuleBasedStateMachine):
 
     @rule(gate=_RARE)
     def poll_transfers(self, gate):
-        if gate:
+        if gate or self.conns[0] is not None:  # with a connector, polling posts offloads and lands loads
             self._both("manager.poll_transfers()", lambda m, cs: m.poll_transfers())
 
     # ------------------------------------------------------------------ invariant
