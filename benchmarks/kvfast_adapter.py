@@ -31,7 +31,7 @@ import numpy as np
 
 from kvspec import KVCacheParams, TextContext
 
-__all__ = ["KvfastAdapter", "KvrefAdapter", "ManagerAdapter"]
+__all__ = ["KvfastAdapter", "KvfastXxh3Adapter", "KvrefAdapter", "ManagerAdapter"]
 
 
 class ManagerAdapter:
@@ -39,9 +39,10 @@ class ManagerAdapter:
 
     name = "manager"
     manager_cls = None
+    hash_algo = "sha256"
 
     def __init__(self, block_size: int, num_blocks: int):
-        params = KVCacheParams(page_size=block_size, num_layers=1, kv_heads=1, head_dim=1)
+        params = KVCacheParams(page_size=block_size, num_layers=1, kv_heads=1, head_dim=1, hash_algo=self.hash_algo)
         # +1: the manager's block 0 is the null page, as vLLM's num_blocks=8193.
         self.m = self.manager_cls(params, num_blocks=num_blocks + 1, max_batch_size=64, max_seq_len=1 << 16)
 
@@ -86,6 +87,14 @@ class KvfastAdapter(ManagerAdapter):
 
         self.manager_cls = PagedKVCacheManager
         super().__init__(block_size, num_blocks)
+
+
+class KvfastXxh3Adapter(KvfastAdapter):
+    """``kvfast.PagedKVCacheManager`` with ``hash_algo="xxh3_128"`` (a cheaper hash than
+    vLLM's sha256: WORKLOAD.md §6 asks to report it next to the figures)."""
+
+    name = "kvfast-xxh3"
+    hash_algo = "xxh3_128"
 
 
 class KvrefAdapter(ManagerAdapter):

@@ -218,13 +218,13 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
 
     def step(self, ctx: TextContext) -> None:
         """Commit what the forward wrote (call after ``ctx.update``); same contract as the reference."""
-        if not self._fast or self._loads:
-            return super().step(ctx)
         req = self._requests.get(ctx.request_id) if type(ctx) is TextContext else None
-        if req is None or req.ctx is not ctx:
+        if req is None or req.ctx is not ctx or req.dummy or not self._fast or self._loads:
+            if not self._fast or self._loads:
+                return super().step(ctx)
             req = self._req("step", ctx)
-        if req.dummy:
-            return
+            if req.dummy:
+                return
         row = req.rows[self._conn_leaf]
         page = self._page
         processed = ctx.processed_length
@@ -234,12 +234,17 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
                 "alloc must be called before the forward"
             )
         req.step_gen += 1
-        req.ext_point, req.lookup, req.lookup_pending = False, None, False
+        req.ext_point = False
+        req.lookup = None
+        req.lookup_pending = False
         if not self._caching:
             return
         lo = req.committed
         hashes = req.hashes
-        if len(hashes) != (len(ctx) - 1) // page:
+        n_hash = (len(ctx) - 1) // page
+        if len(hashes) == n_hash and processed // page <= lo:
+            return  # decode step inside a block: nothing to hash or publish
+        if len(hashes) != n_hash:
             req.hashes = hashes = self._hashes_for(ctx, hashes)
         end = min(processed // page, len(hashes))
         if end <= lo:

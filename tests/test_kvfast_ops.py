@@ -50,12 +50,12 @@ def test_scatter_rows_matches_numpy(parallel, data):
     keep = slots >= 0
     want_k[slots[keep]] = src_k[keep]
     want_v[slots[keep]] = src_v[keep]
-    old = C.PARALLEL_BYTES
-    C.PARALLEL_BYTES = 0 if parallel else 1 << 60
+    old = C.PARALLEL_RUNS, C.PARALLEL_SPAN_BYTES
+    C.PARALLEL_RUNS, C.PARALLEL_SPAN_BYTES = (0, 1 << 60) if parallel else (1 << 60, 0)
     try:
         C.scatter_rows(src_k, src_v, dk, dv, 0, 0, slots, bs, bs * r, r)
     finally:
-        C.PARALLEL_BYTES = old
+        C.PARALLEL_RUNS, C.PARALLEL_SPAN_BYTES = old
     assert dk.tobytes() == want_k.tobytes() and dv.tobytes() == want_v.tobytes()
 
 

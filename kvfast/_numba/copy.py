@@ -16,13 +16,17 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 __all__ = [
-    "PARALLEL_BYTES", "word_dtype", "as_words", "flat_words",
+    "PARALLEL_RUNS", "PARALLEL_SPAN_BYTES", "word_dtype", "as_words", "flat_words",
     "scatter_rows", "gather_rows", "copy_blocks", "zero_rows",
 ]
 
-#: Steps moving at least this many bytes use the parallel scatter (prange
-#: over spans); smaller steps finish before a thread pool wakes up.
-PARALLEL_BYTES = 512 << 10
+#: The scatter runs in parallel (prange over spans) when a step has at least
+#: PARALLEL_RUNS spans of at most PARALLEL_SPAN_BYTES each: many small
+#: scattered rows are latency-bound, so a second core helps (decode steps).
+#: Long spans (prefill) are bandwidth-bound and one core saturates memory;
+#: measured on the 2-core CI VM (docs/performance.md).
+PARALLEL_RUNS = 128
+PARALLEL_SPAN_BYTES = 16 << 10
 
 _WORDS = (np.dtype(np.uint64), np.dtype(np.uint32), np.dtype(np.uint16), np.dtype(np.uint8))
 
@@ -151,7 +155,8 @@ def scatter_rows(src_k, src_v, dst_k, dst_v, k_base, v_base, slot_mapping, block
     Destination word of slot ``s``: ``base + (s // block_size) * block_stride
     + (s % block_size) * row_stride``; ``s < 0`` is skipped (padding). Tokens
     going to consecutive slots of one block are copied as one span; spans run
-    in parallel (``prange``) when the step moves >= ``PARALLEL_BYTES``. Rows are copied with libc
+    in parallel (``prange``) when there are many short ones (``PARALLEL_RUNS``,
+    ``PARALLEL_SPAN_BYTES``). Rows are copied with libc
     ``memcpy`` (bit patterns, vectorised by libc). Slots must be distinct
     (a step's slot_mapping always is).
     """
@@ -160,7 +165,7 @@ def scatter_rows(src_k, src_v, dst_k, dst_v, k_base, v_base, slot_mapping, block
     lengths = np.empty(n, np.int64)
     n_runs = _runs(slot_mapping, block_size, starts, lengths)
     nbytes = 2 * src_k.size * src_k.itemsize
-    parallel = nbytes >= PARALLEL_BYTES
+    parallel = n_runs >= PARALLEL_RUNS and nbytes <= n_runs * PARALLEL_SPAN_BYTES
     fn = _copy_runs_parallel if parallel and n_runs > 1 else _copy_runs_serial
     fn(src_k, src_v, dst_k, dst_v, k_base, v_base, slot_mapping, starts, lengths, n_runs,
        block_size, block_stride, row_stride)

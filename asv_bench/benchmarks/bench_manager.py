@@ -1,0 +1,61 @@
+"""``PagedKVCacheManager``: the peer bookkeeping workload replayed, and the decode-step calls, both packages."""
+
+import numpy as np
+
+from kvspec import KVCacheParams, TextContext
+
+
+class ManagerReplay:
+    """The first requests of the peer workload (WORKLOAD.md: shared 1024-token prompts,
+    waves of 64, 64 decode steps, 8192 blocks of 16) through the manager's API."""
+
+    params = [["kvref", "kvfast"], [64]]  # package; requests replayed (kvref ~50 ms per request)
+    param_names = ["package", "requests"]
+    timeout = 600
+
+    def setup(self, package, requests):
+        import importlib
+
+        from kvcache.bench import peer_workload
+
+        self.cls = importlib.import_module(package).PagedKVCacheManager
+        self.prompts, self.gen, _ = peer_workload(requests)
+
+    def time_replay(self, package, requests):
+        from kvcache.bench import replay_manager
+
+        replay_manager(self.cls, self.prompts, self.gen)
+
+    def track_hit_tokens(self, package, requests):
+        from kvcache.bench import replay_manager
+
+        return replay_manager(self.cls, self.prompts, self.gen)["hit_tokens"]
+
+    track_hit_tokens.unit = "tokens"
+
+
+class DecodeStep:
+    """One decode step of 64 requests: ``alloc`` + ``update`` + ``step`` each."""
+
+    params = [["kvref", "kvfast"]]
+    param_names = ["package"]
+
+    def setup(self, package):
+        import importlib
+
+        cls = importlib.import_module(package).PagedKVCacheManager
+        self.m = cls(KVCacheParams(page_size=16, num_layers=1, kv_heads=1, head_dim=1),
+                     num_blocks=4097, max_batch_size=64, max_seq_len=1 << 16)
+        self.ctxs = [TextContext(str(i), np.arange(300) + 1000 * i) for i in range(64)]
+        for c in self.ctxs:
+            self.m.claim(c)
+            self.m.alloc(c)
+            c.skip_processing(c.active_length - 1)
+            self.m.step(c)
+
+    def time_decode_step(self, package):
+        m = self.m
+        for c in self.ctxs:
+            m.alloc(c)
+            c.update(5)
+            m.step(c)
