@@ -1,0 +1,92 @@
+"""Smoke tests of the benchmark code (no timing assertions: speed lives in the benchmarks)."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import kvfast
+import kvref
+from kvcache import bench
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_peer_workload_matches_workload_md():
+    prompts, gen, fingerprint = bench.peer_workload(3)
+    assert fingerprint == "11393283c391264a"  # WORKLOAD.md §2
+    assert len(prompts) == 3 and gen.shape == (3, 65)
+    assert all(1280 <= len(p) <= 3070 for p in prompts)
+
+
+def test_replay_agrees_between_packages():
+    prompts, gen, _ = bench.peer_workload(70)  # two waves, the second hits the first's prefixes
+    a = bench.replay_manager(kvref.PagedKVCacheManager, prompts[:66], gen[:66])
+    b = bench.replay_manager(kvfast.PagedKVCacheManager, prompts[:66], gen[:66])
+    assert (a["hit_tokens"], a["peak_blocks"], a["free_at_end"]) == (b["hit_tokens"], b["peak_blocks"],
+                                                                     b["free_at_end"])
+    assert a["hit_tokens"] > 0 and b["free_at_end"] == bench.POOL_BLOCKS
+
+
+def test_run_bench_rows_and_table(capsys):
+    rows = bench.run_bench(quick=True, only=["prepare"])
+    assert [r["name"] for r in rows] == ["prepare_step decode (256 rows, paged)"]
+    r = rows[0]
+    assert r["ratio"] > 0 and r["target"] == 20.0 and isinstance(r["met"], bool)
+    bench.print_table(rows)
+    out = capsys.readouterr().out
+    assert "prepare_step decode" in out and "target" in out
+
+
+def test_main_rejects_bad_arguments(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        bench.main(["--only", "nope"])
+    assert "unknown ['nope']" in capsys.readouterr().err
+
+
+def test_peer_adapter_protocol():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from kvfast_adapter import KvfastAdapter, KvrefAdapter
+    finally:
+        sys.path.pop(0)
+    prompts, gen, _ = bench.peer_workload(4)
+    results = []
+    for cls in (KvrefAdapter, KvfastAdapter):
+        ad = cls(16, 2048)
+        hs = [ad.new_request(i, prompts[i].tolist(), 65) for i in range(4)]
+        hits = [(ad.hash_prompt(h), ad.admit(h)) for h in hs]
+        for i, h in enumerate(hs):
+            ad.append_token(h, int(gen[i, 0]))
+        for s in range(1, 4):
+            for h in hs:
+                ad.decode_alloc(h)
+            for i, h in enumerate(hs):
+                ad.append_token(h, int(gen[i, s]))
+        used = 2048 - ad.num_free_blocks()
+        for h in hs:
+            ad.free(h)
+        results.append((hits, used, ad.num_free_blocks(), [ad.tokens_hashed(h) for h in hs]))
+    assert results[0] == results[1]
+    assert results[1][2] == 2048
+
+
+def test_asv_benchmarks_import_and_set_up():
+    sys.path.insert(0, str(ROOT / "asv_bench"))
+    try:
+        from benchmarks import bench_append, bench_manager, bench_prepare_step
+    finally:
+        sys.path.pop(0)
+    b = bench_prepare_step.PrepareStep()
+    params = ("kvfast", bench_prepare_step.KVCacheMode.PAGED, (8, 4))
+    b.setup(*params)
+    b.time_prepare_step(*params)
+    d = bench_manager.DecodeStep()
+    d.setup("kvfast")
+    d.time_decode_step("kvfast")
+    a = bench_append.AppendKV()
+    a.setup("kvfast", "decode", "float16")
+    a.time_append_kv("kvfast", "decode", "float16")
+    assert np.asarray(a.cache.keys(0)).any()
