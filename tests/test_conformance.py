@@ -263,3 +263,13 @@ def test_strategies_respect_capabilities():
 def test_vectors_package_errors():
     with pytest.raises(ValueError, match=r"kvspec.vectors.read_bytes: name='nope.json' not in"):
         vectors.read_bytes("nope.json")
+
+
+def test_backend_device_selection():
+    base = kvref.conformance_backend()
+    gpu = dataclasses.replace(base, devices=("cuda:0", "cpu"))
+    assert gpu.on_device("cpu").devices == ("cpu", "cuda:0") and gpu.device == "cuda:0"
+    with pytest.raises(ValueError, match=r"device='cuda:1' not in devices=\('cuda:0', 'cpu'\)"):
+        gpu.on_device("cuda:1")
+    proc = run_suite("--kv-backend=kvref", "--kv-device=cuda:0")
+    assert proc.returncode == 4 and "--kv-device=cuda:0" in proc.stderr + proc.stdout, _tail(proc)

@@ -69,8 +69,10 @@ class Backend:
     capabilities : frozenset of str
         Subset of :data:`CAPABILITIES`; tests needing an undeclared one skip.
     devices : tuple of str
-        Devices the backend runs on (``"cpu"``, ``"cuda:0"``); the suite uses
-        the first.
+        Devices the backend runs on (``"cpu"``, ``"cuda:0"``). The suite builds
+        its objects on the first (``device``); the plugin puts ``"cpu"`` first
+        unless ``--kv-device`` picks another. Inputs (K/V, queries) are host
+        NumPy arrays on every device.
     collide_hashes : callable() -> context manager, optional
         While the context is active, the backend's block hash ignores the
         block's tokens (``h_i = H(h_{i-1})``), so every prompt collides with
@@ -126,6 +128,24 @@ class Backend:
     def device(self) -> str:
         """The device the suite builds objects on (the first of ``devices``)."""
         return self.devices[0]
+
+    def build_cache(self, config, layer_specs):
+        """``make_cache`` with ``config.device`` set to :attr:`device`."""
+        import dataclasses
+
+        return self.make_cache(dataclasses.replace(config, device=self.device), layer_specs)
+
+    def build_manager(self, params, **kw):
+        """``make_manager(params, device=self.device, **kw)``."""
+        return self.make_manager(params, device=self.device, **kw)
+
+    def on_device(self, device: str) -> "Backend":
+        """This backend with ``device`` first in ``devices`` (``ValueError`` if not declared)."""
+        import dataclasses
+
+        if device not in self.devices:
+            raise ValueError(f"Backend.on_device: device={device!r} not in devices={self.devices}")
+        return dataclasses.replace(self, devices=(device, *[d for d in self.devices if d != device]))
 
     def supports(self, *caps: str) -> bool:
         """True when every capability in ``caps`` is declared."""

@@ -60,7 +60,7 @@ class CachePair:
         self.backend, self.oracle = backend, oracle
         self.config, self.specs = config, list(specs)
         self.ref = oracle.make_cache(config, specs)
-        self.sut = backend.make_cache(config, specs)
+        self.sut = backend.build_cache(config, specs)
         self.paged = config.mode is KVCacheMode.PAGED
 
     def snapshot(self, cache) -> dict:
@@ -131,7 +131,7 @@ class ManagerPair:
         self._snapshot = manager_snapshot
         self.backend, self.oracle, self.params = backend, oracle, params
         self.ref = oracle.make_manager(params, connector=connectors[0], **kw)
-        self.sut = backend.make_manager(params, connector=connectors[1], **kw)
+        self.sut = backend.build_manager(params, connector=connectors[1], **kw)
         self.ctx_ref: dict = {}
         self.ctx_sut: dict = {}
 

@@ -257,13 +257,13 @@ def run_trace(backend: Backend, trace: dict) -> list[dict]:
     records = []
     if api == "KVCache":
         specs = [make_layer(d) for d in trace["layers"]]
-        obj = backend.make_cache(make_config(trace["config"]), specs)
+        obj = backend.build_cache(make_config(trace["config"]), specs)
         ctx: dict = {}
         run = lambda op, a: _cache_op(obj, backend.ops, op, a, ctx)  # noqa: E731
         state = lambda: _cache_state(obj, specs)  # noqa: E731
     elif api == "PagedKVCacheManager":
         contexts: dict = {}
-        obj = backend.make_manager(make_params(trace["params"]), **trace["manager"])
+        obj = backend.build_manager(make_params(trace["params"]), **trace["manager"])
         run = lambda op, a: _manager_op(obj, op, a, contexts)  # noqa: E731
         state = lambda: _manager_state(obj, contexts)  # noqa: E731
     else:

@@ -186,7 +186,7 @@ class KVCacheComparison(RuleBasedStateMachine):
         self.S, self.L, self.P = cfg.max_seqs, cfg.max_seq_len, cfg.block_size
         note(f"cache = make_cache({cfg!r}, {specs!r})")
         self.ref = self.oracle.make_cache(cfg, specs)
-        self.sut = self.backend.make_cache(cfg, specs)
+        self.sut = self.backend.build_cache(cfg, specs)
         self.seqtok = {s: [] for s in range(self.S)}
         self.fresh = {s: set() for s in range(self.S)}
         self.ptrs = {}

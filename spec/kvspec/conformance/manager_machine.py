@@ -184,7 +184,7 @@ class ManagerComparison(RuleBasedStateMachine):
             self.conns = (ManualConnector(), ManualConnector())
         note(f"manager = make_manager({self.params!r}, **{kw!r}, connector={'ManualConnector()' if self.conns[0] else None})")
         self.ref = self.oracle.make_manager(self.params, connector=self.conns[0], **kw)
-        self.sut = self.backend.make_manager(self.params, connector=self.conns[1], **kw)
+        self.sut = self.backend.build_manager(self.params, connector=self.conns[1], **kw)
         self._start_requests(data)
 
     def _start_requests(self, data):

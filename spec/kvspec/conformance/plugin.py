@@ -11,6 +11,9 @@ Options
     ``test_slot_cache.py::test_admit_hit[paged]``; the full pytest node id
     works too. Matching tests are marked ``xfail``; entries that match no
     collected test are listed at the end of the run. Default ``$KVCACHE_XFAIL``.
+``--kv-device=DEVICE``
+    Build the backend's objects on DEVICE (one of its declared devices;
+    default ``cpu`` when declared). kvref, the oracle, always runs on the CPU.
 ``--kv-quick``
     Fewer Hypothesis examples and shorter state-machine runs (CI smoke runs).
 ``--kv-no-shrink``
@@ -44,6 +47,8 @@ def pytest_addoption(parser):
                 help="file of test-id prefixes expected to fail (default $KVCACHE_XFAIL)")
     g.addoption("--kv-quick", action="store_true", default=False,
                 help="fewer Hypothesis examples and shorter state machines")
+    g.addoption("--kv-device", default=None, metavar="DEVICE",
+                help="device to build the backend's objects on (default cpu when declared, else its first device)")
     g.addoption("--kv-no-shrink", action="store_true", default=False,
                 help="report the first failing example without shrinking it (faster failures)")
 
@@ -81,9 +86,14 @@ def get_backend(config) -> Backend:
     if _BACKEND_KEY not in config.stash:
         spec = config.getoption("--kv-backend") or os.environ.get(ENV_BACKEND) or "kvref"
         try:
-            config.stash[_BACKEND_KEY] = resolve_backend(spec)
+            backend = resolve_backend(spec)
         except (ImportError, AttributeError, ValueError, TypeError) as e:
             raise pytest.UsageError(f"--kv-backend={spec}: {type(e).__name__}: {e}") from e
+        device = config.getoption("--kv-device") or ("cpu" if "cpu" in backend.devices else backend.devices[0])
+        try:
+            config.stash[_BACKEND_KEY] = backend.on_device(device)
+        except ValueError as e:
+            raise pytest.UsageError(f"--kv-device={device}: {e}") from e
     return config.stash[_BACKEND_KEY]
 
 
@@ -91,7 +101,7 @@ def pytest_report_header(config):
     if _BACKEND_KEY not in config.stash:
         return None
     b = config.stash[_BACKEND_KEY]
-    lines = [b.describe()]
+    lines = [b.describe() + f"; testing on {b.device}"]
     xf = config.stash[_XFAIL_KEY]
     if xf:
         lines.append(f"kvcache expected failures: {len(xf)} entries")

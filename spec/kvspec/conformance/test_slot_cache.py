@@ -63,7 +63,7 @@ def test_make_rejects_wrong_layer_count(kv_backend, kv_oracle, mode):
     with pytest.raises(ValueError) as ref:
         kv_oracle.make_cache(cfg, specs)
     with pytest.raises(ValueError) as got:
-        kv_backend.make_cache(cfg, specs)
+        kv_backend.build_cache(cfg, specs)
     assert str(got.value) == str(ref.value)
 
 
@@ -275,7 +275,7 @@ def test_prefix_hit_verifies_tokens_under_hash_collisions(kv_backend, kv_oracle)
     with kv_backend.collide_hashes():
         from kvspec.conformance._harness import write_step
 
-        cache = kv_backend.make_cache(cfg, specs)
+        cache = kv_backend.build_cache(cfg, specs)
         a = [1, 1, 2, 2, 3, 3]
         cache.admit(0, _i32(a))
         written = write_step(cache, kv_backend.ops, 0, 6, seed=11)
