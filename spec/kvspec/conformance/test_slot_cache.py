@@ -282,7 +282,10 @@ def test_prefix_hit_verifies_tokens_under_hash_collisions(kv_backend, kv_oracle)
         cache.retire(0, _i32(a))
         b = [1, 1, 2, 2, 5, 5, 6]
         hit = cache.admit(1, _i32(b))
-        assert hit == 4, f"admit hit={hit} for a prompt that matches 2 blocks then differs, expected 4"
+        assert hit == 4, (
+            f"admit hit={hit} for a prompt that matches 2 blocks then differs, expected 4: positions "
+            f"[4, {hit}) would serve K/V stored for tokens {a[4:hit]} to prompt tokens {b[4:hit]}"
+        )
         k, _ = live_kv(cache, 0, 1, 4)
         assert_same(written[0][0][:4], k, "K of the verified hit")
         c = [7, 7, 7, 7, 7]
