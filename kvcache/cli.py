@@ -11,9 +11,11 @@ with exit code 70; ``--traceback`` shows where it came from.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
+import io
 import os
 import platform
 import re
@@ -145,17 +147,21 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=_cmd_info)
 
     k = sub.add_parser("conformance", help="run the conformance suite against a backend",
+                       usage="kvcache conformance --backend NAME_OR_MODULE:FACTORY [-- PYTEST_ARGS ...]",
                        description="Run `pytest --pyargs kvspec.conformance --kv-backend=...` in a subprocess; "
-                                   "arguments after the options go to pytest.")
+                                   "every other argument goes to pytest.")
     k.add_argument("--backend", required=True, metavar="NAME_OR_MODULE:FACTORY",
                    help="an entry point of kvcache.backends (e.g. kvref) or module:factory")
-    k.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra pytest arguments")
     k.set_defaults(func=_cmd_conformance)
 
+    # kvcache.bench parses its own options (kvcache bench --help lists them).
     b = sub.add_parser("bench", help="the kvfast/kvref ratio table", add_help=False)
-    b.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of the benchmark")
     b.set_defaults(func=_cmd_bench)
     return p
+
+
+#: Commands whose unknown arguments pass through (to pytest, to kvcache.bench).
+_PASSTHROUGH = ("conformance", "bench")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -163,7 +169,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     show_traceback = "--traceback" in argv
     try:
-        args = build_parser().parse_args(argv)
+        args, extra = build_parser().parse_known_args(argv)
+        if extra and args.command not in _PASSTHROUGH:
+            raise UsageError(f"unrecognized arguments: {' '.join(extra)}")
+        args.passthrough = extra[1:] if extra[:1] == ["--"] else extra
         if args.command is None:
             raise UsageError("a command is required: replay, info, conformance or bench (see kvcache --help)")
         return args.func(args)
@@ -267,7 +276,7 @@ def _cmd_replay(args) -> int:
 
 
 def _config_dict(args, config) -> dict:
-    d = {k: v for k, v in vars(args).items() if k not in ("func", "traceback", "command")}
+    d = {k: v for k, v in vars(args).items() if k not in ("func", "traceback", "command", "passthrough")}
     d["num_blocks"] = config.blocks_per_replica()
     return d
 
@@ -402,10 +411,7 @@ def conformance_command(spec: str, pytest_args: Sequence[str] = ()) -> list[str]
 
 def _cmd_conformance(args) -> int:
     spec = resolve_backend(args.backend)
-    extra = list(args.pytest_args)
-    if extra[:1] == ["--"]:
-        extra = extra[1:]
-    return subprocess.call(conformance_command(spec, extra))
+    return subprocess.call(conformance_command(spec, args.passthrough))
 
 
 def _cmd_bench(args) -> int:
@@ -415,8 +421,19 @@ def _cmd_bench(args) -> int:
         if e.name != "kvcache.bench":
             raise
         raise CommandUnavailable("kvcache bench: the benchmark module kvcache/bench.py is not part of this build") from None
-    return bench.main(list(args.bench_args))
-
+    # kvcache.bench parses its own options with argparse; keep its errors to one line.
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            code = bench.main(list(args.passthrough))
+    except SystemExit as e:
+        if e.code in (0, None):
+            return 0
+        lines = [line for line in captured.getvalue().splitlines() if ": error: " in line]
+        raise UsageError(lines[-1].split(": error: ", 1)[1] if lines else f"kvcache bench exited with {e.code}") from None
+    finally:
+        sys.stderr.write(captured.getvalue() if not sys.exc_info()[0] else "")
+    return int(code or 0)
 
 if __name__ == "__main__":  # python -m kvcache.cli
     sys.exit(main())

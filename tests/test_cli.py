@@ -325,13 +325,39 @@ def test_conformance_runs_pytest_on_the_suite(capsys, monkeypatch):
     calls.clear()
     assert main(["conformance", "--backend", "kvref:conformance_backend"]) == 3
     assert calls[0][-1] == "--kv-backend=kvref:conformance_backend"
+    calls.clear()
+    assert main(["conformance", "-x", "--backend", "kvref", "-k", "machine"]) == 3  # no "--" needed
+    assert calls[0][-3:] == ["-x", "-k", "machine"]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("kvcache.bench") is not None, reason="kvcache.bench is installed")
-def test_bench_without_its_module(capsys):
+def test_bench_without_its_module(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "kvcache.bench", None)  # as if kvcache/bench.py were absent
     got, out, err = run(capsys, "bench")
     assert got == 1 and out == ""
     assert one_error_line(err) == "kvcache bench: the benchmark module kvcache/bench.py is not part of this build"
+
+
+needs_bench = pytest.mark.skipif(importlib.util.find_spec("kvcache.bench") is None,
+                                 reason="kvcache/bench.py is not part of this build")
+
+
+@needs_bench
+def test_bench_passes_its_arguments_and_keeps_errors_to_one_line(capsys, monkeypatch):
+    import kvcache.bench as bench
+
+    seen = []
+    monkeypatch.setattr(bench, "run_bench", lambda **k: seen.append(k) or [])
+    monkeypatch.setattr(bench, "print_table", lambda rows, file=None: print("TABLE"))
+    code, out, err = run(capsys, "bench", "--quick", "--only", "prepare")
+    assert code == 0 and out == "TABLE\n" and err == ""
+    assert seen == [{"quick": True, "replay_requests": 128, "only": ["prepare"]}]
+    code, out, err = run(capsys, "bench", "--only", "nope")
+    assert code == 2 and out == ""
+    assert one_error_line(err) == "--only: unknown ['nope'], choose from append,prepare,replay"
+    code, out, err = run(capsys, "bench", "--bogus")
+    assert code == 2 and one_error_line(err) == "unrecognized arguments: --bogus"
+    code, out, err = run(capsys, "bench", "--help")  # kvcache.bench's own help
+    assert code == 0 and out.startswith("usage: kvcache bench") and err == ""
 
 
 @pytest.mark.parametrize("text, value", [
