@@ -16,7 +16,10 @@ import pytest
 import kvcache.cli as cli
 from kvcache.cli import main, parse_bytes
 
-TRACES = "/work/shared/traces"
+# The Mooncake traces live in shared/ beside the repository (never copied into it).
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRACES = next((d for d in (os.path.join(_ROOT, "..", "shared", "traces"), "/work/shared/traces")
+               if os.path.isdir(d)), os.path.join(_ROOT, "..", "shared", "traces"))
 CONVERSATION = os.path.join(TRACES, "conversation_trace.jsonl")
 TINY = ["--num-layers", "1", "--kv-heads", "1", "--head-dim", "2", "--no-progress"]
 

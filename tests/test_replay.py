@@ -23,7 +23,10 @@ from kvcache.workload import (
     synthetic_workload,
 )
 
-TRACES = "/work/shared/traces"
+# The Mooncake traces live in shared/ beside the repository (never copied into it).
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRACES = next((d for d in (os.path.join(_ROOT, "..", "shared", "traces"), "/work/shared/traces")
+               if os.path.isdir(d)), os.path.join(_ROOT, "..", "shared", "traces"))
 CONVERSATION = os.path.join(TRACES, "conversation_trace.jsonl")
 needs_traces = pytest.mark.skipif(
     not os.path.isfile(CONVERSATION), reason=f"Mooncake traces not present at {TRACES}"
