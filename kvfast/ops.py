@@ -29,10 +29,17 @@ _ATTN_KINDS = (LayerKind.ATTENTION, LayerKind.SLIDING_WINDOW)
 _KV_KINDS = (LayerKind.ATTENTION, LayerKind.SLIDING_WINDOW, LayerKind.CROSS_ATTENTION)
 
 
-def _copy():
-    from ._numba import copy
+_COPY = None
 
-    return copy
+
+def _copy():
+    """The CPU copy kernels (Numba is imported on first use, then kept)."""
+    global _COPY
+    if _COPY is None:
+        from ._numba import copy
+
+        _COPY = copy
+    return _COPY
 
 
 def _layer_spec(api: str, cache, layer, kinds):
@@ -90,31 +97,42 @@ def append_kv(cache, layer: int, k, v, step: StepIndices) -> None:
     T = step.num_tokens
     k = _ref_ops._check_heads(api, "k", k, T, spec.kv_heads, spec.head_dim)
     v = _ref_ops._check_heads(api, "v", v, T, spec.kv_heads, spec.head_dim)
-    K, V = cache.keys(layer), cache.values(layer)
-    rows = K.shape[0] * K.shape[1]
     sm = step.slot_mapping
     if not (isinstance(sm, np.ndarray) and sm.dtype == np.int64):
         sm = np.asarray(sm, dtype=np.int64)
     if sm.shape != (T,):
         raise ValueError(f"{api}: step.slot_mapping.shape={sm.shape} != ({T},)")
-    if T and int(sm.max()) >= rows:
-        i = int(np.flatnonzero(sm >= rows)[0])
-        raise IndexError(f"{api}: step.slot_mapping[{i}]={sm[i]} out of range [0, {rows})")
     if T == 0:
         return
-    dt = K.dtype
+    c = _copy()
+    Kw, Vw, word, rows, bs, block_stride, row_stride = _word_views(cache, int(layer), spec)
+    dt = cache._kv[int(layer)][0].dtype
     if k.dtype != dt:
         k = k.astype(dt)  # the reference's assignment casts the same way
     if v.dtype != dt:
         v = v.astype(dt)
-    c = _copy()
-    word = c.word_dtype(spec.kv_heads * spec.head_dim * dt.itemsize)
-    scale = dt.itemsize / word.itemsize  # elements -> words
-    bs, block_stride, row_stride = _geometry(cache, spec)
-    c.scatter_rows(
-        c.as_words(k, word), c.as_words(v, word), c.flat_words(K, word), c.flat_words(V, word), 0, 0, sm,
-        bs, int(block_stride * scale), int(row_stride * scale),
-    )
+    bad = c.scatter_rows(c.as_words(k, word), c.as_words(v, word), Kw, Vw, 0, 0, sm, bs, block_stride, row_stride,
+                         rows)
+    if bad >= 0:  # nothing was written
+        raise IndexError(f"{api}: step.slot_mapping[{bad}]={sm[bad]} out of range [0, {rows})")
+
+
+def _word_views(cache, layer: int, spec):
+    """``(K words, V words, word dtype, storage rows, block_size, block_stride, row_stride)``
+    of an attention layer, strides in words; cached on the cache (buffers keep
+    their identity for the cache's life, DESIGN §4.1)."""
+    views = cache.__dict__.setdefault("_word_views", {})
+    got = views.get(layer)
+    if got is None:
+        c = _copy()
+        K, V = cache._kv[layer]
+        word = c.word_dtype(spec.kv_heads * spec.head_dim * K.dtype.itemsize)
+        scale = K.dtype.itemsize / word.itemsize  # elements -> words
+        bs, block_stride, row_stride = _geometry(cache, spec)
+        got = (c.flat_words(K, word), c.flat_words(V, word), word, K.shape[0] * K.shape[1], bs,
+               int(block_stride * scale), int(row_stride * scale))
+        views[layer] = got
+    return got
 
 
 def _append_kv_cuda(cache, layer, spec, k, v, step):  # pragma: no cover - needs a GPU

@@ -10,6 +10,8 @@ array plus a base offset, ``block_size``, ``block_stride`` and ``row_stride``
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -25,7 +27,9 @@ __all__ = [
 #: scattered rows are latency-bound, so a second core helps (decode steps).
 #: Long spans (prefill) are bandwidth-bound and one core saturates memory;
 #: measured on the 2-core CI VM (docs/performance.md).
-PARALLEL_RUNS = 128
+#: Off by default (``KVFAST_PARALLEL_SCATTER=1`` turns it on): on a busy machine
+#: an OpenMP parallel region waits for a descheduled worker (milliseconds).
+PARALLEL_RUNS = 128 if os.environ.get("KVFAST_PARALLEL_SCATTER") == "1" else 1 << 62
 PARALLEL_SPAN_BYTES = 16 << 10
 
 _WORDS = (np.dtype(np.uint64), np.dtype(np.uint32), np.dtype(np.uint16), np.dtype(np.uint8))
@@ -74,12 +78,16 @@ def _memcpy(typingctx, dst, src, nbytes):
 
 
 @njit(nogil=True, cache=True)
-def _runs(slot_mapping, block_size, starts, lengths):
+def _runs(slot_mapping, block_size, starts, lengths, limit):
     """Split tokens into runs of consecutive slots inside one block (one memcpy each).
 
-    Padding tokens (slot < 0) form no run. Returns the number of runs.
+    Padding tokens (slot < 0) form no run. Returns the number of runs, or
+    ``-1 - t`` for the first token ``t`` whose slot is ``>= limit``.
     """
     n = slot_mapping.shape[0]
+    for t in range(n):
+        if slot_mapping[t] >= limit:
+            return -1 - t
     k = 0
     t = 0
     while t < n:
@@ -123,6 +131,43 @@ def _copy_runs_serial(src_k, src_v, dst_k, dst_v, k_base, v_base, slot_mapping, 
                 _memcpy(dv + (v_base + o) * isz, sv + (t + i) * svs, row_bytes)
 
 
+@njit(nogil=True, cache=True)
+def _scatter_serial(src_k, src_v, dst_k, dst_v, slot_mapping, block_size, block_stride, row_stride, limit):
+    """The whole serial scatter in one call: bounds check, then spans copied as found.
+
+    Returns -1, or (writing nothing) the first token whose slot is ``>= limit``.
+    """
+    n = slot_mapping.shape[0]
+    for t in range(n):
+        if slot_mapping[t] >= limit:
+            return t
+    isz = dst_k.itemsize
+    row_bytes = src_k.shape[1] * isz
+    sk = src_k.ctypes.data
+    sv = src_v.ctypes.data
+    sks = src_k.strides[0]
+    svs = src_v.strides[0]
+    dk = dst_k.ctypes.data
+    dv = dst_v.ctypes.data
+    packed = sks == row_bytes and svs == row_bytes and row_stride * isz == row_bytes
+    t = 0
+    while t < n:
+        s = slot_mapping[t]
+        if s < 0:
+            t += 1
+            continue
+        length = 1
+        if packed:
+            room = block_size - s % block_size
+            while t + length < n and length < room and slot_mapping[t + length] == s + length:
+                length += 1
+        off = ((s // block_size) * block_stride + (s % block_size) * row_stride) * isz
+        _memcpy(dk + off, sk + t * sks, length * row_bytes)
+        _memcpy(dv + off, sv + t * svs, length * row_bytes)
+        t += length
+    return -1
+
+
 @njit(nogil=True, cache=True, parallel=True)
 def _copy_runs_parallel(src_k, src_v, dst_k, dst_v, k_base, v_base, slot_mapping, starts, lengths, n_runs,
                         block_size, block_stride, row_stride):
@@ -148,27 +193,37 @@ def _copy_runs_parallel(src_k, src_v, dst_k, dst_v, k_base, v_base, slot_mapping
                 _memcpy(dv + (v_base + o) * isz, sv + (t + i) * svs, row_bytes)
 
 
-def scatter_rows(src_k, src_v, dst_k, dst_v, k_base, v_base, slot_mapping, block_size, block_stride, row_stride):
+def scatter_rows(src_k, src_v, dst_k, dst_v, k_base, v_base, slot_mapping, block_size, block_stride, row_stride,
+                 limit=None) -> int:
     """Write row ``t`` of ``src_k``/``src_v`` (``[T, row_words]``) at slot
     ``slot_mapping[t]`` of the flat word arrays ``dst_k``/``dst_v``.
 
     Destination word of slot ``s``: ``base + (s // block_size) * block_stride
     + (s % block_size) * row_stride``; ``s < 0`` is skipped (padding). Tokens
     going to consecutive slots of one block are copied as one span; spans run
-    in parallel (``prange``) when there are many short ones (``PARALLEL_RUNS``,
-    ``PARALLEL_SPAN_BYTES``). Rows are copied with libc
+    in parallel (``prange``) when enabled and there are many short ones
+    (``PARALLEL_RUNS``, ``PARALLEL_SPAN_BYTES``); else one serial call. Rows are copied with libc
     ``memcpy`` (bit patterns, vectorised by libc). Slots must be distinct
     (a step's slot_mapping always is).
+
+    Returns -1, or (writing nothing) the first token whose slot is ``>= limit``.
     """
     n = slot_mapping.shape[0]
+    limit = (1 << 62) if limit is None else limit
+    if n < PARALLEL_RUNS or k_base or v_base:
+        return _scatter_serial(src_k, src_v, dst_k[k_base:], dst_v[v_base:], slot_mapping, block_size,
+                               block_stride, row_stride, limit)
     starts = np.empty(n, np.int64)
     lengths = np.empty(n, np.int64)
-    n_runs = _runs(slot_mapping, block_size, starts, lengths)
+    n_runs = _runs(slot_mapping, block_size, starts, lengths, limit)
+    if n_runs < 0:
+        return -1 - n_runs
     nbytes = 2 * src_k.size * src_k.itemsize
     parallel = n_runs >= PARALLEL_RUNS and nbytes <= n_runs * PARALLEL_SPAN_BYTES
-    fn = _copy_runs_parallel if parallel and n_runs > 1 else _copy_runs_serial
+    fn = _copy_runs_parallel if parallel else _copy_runs_serial
     fn(src_k, src_v, dst_k, dst_v, k_base, v_base, slot_mapping, starts, lengths, n_runs,
        block_size, block_stride, row_stride)
+    return -1
 
 
 @njit(nogil=True, cache=True)
