@@ -248,6 +248,44 @@ def manager_trace():
                   params=params, manager={"num_blocks": 8, "max_batch_size": 4, "max_seq_len": 16})
 
 
+def manager_replicas_trace():
+    params = dict(page_size=2, num_layers=2, kv_heads=1, head_dim=2, dtype="float32", data_parallel_degree=2,
+                  enable_prefix_caching=True, hash_algo="xxh3_128", hash_seed=3, host_offload_bytes=0,
+                  disk_offload_bytes=0, disk_offload_dir=None)
+    a = [5, 6, 7, 8, 9, 10]
+
+    def kv(n, seed):
+        return _kv((n, 2, 2, 1, 2), "float32", seed)
+
+    ops = [_op("new_context", request_id="a", tokens=a, cache_salt=None),
+           _op("new_context", request_id="b", tokens=a[:4] + [1, 1, 1], cache_salt=None),
+           _op("claim", request_id="a", replica_idx=0),
+           _op("claim", request_id="b", replica_idx=1),
+           _op("claim", request_id="b", replica_idx=2),
+           _op("alloc", request_id="a"),
+           _op("alloc", request_id="b"),
+           _op("runtime_inputs", batches=[["a"], ["b"]], max_cache_length=None),
+           _op("runtime_inputs", batches=[["a", "b"], []], max_cache_length=None),
+           _op("runtime_inputs", batches=[["a"]], max_cache_length=None),
+           _op("write_kv", request_id="a", kv=kv(6, 7)),
+           _op("update", request_id="a", token=11),
+           _op("step", request_id="a"),
+           _op("get_prefix_cache_hit_counts", tokens=a + [11, 12], cache_salt=None),
+           _op("release", request_id="a"),
+           _op("new_context", request_id="c", tokens=a + [11, 12], cache_salt=None),
+           _op("claim", request_id="c", replica_idx=1),
+           _op("alloc", request_id="c"),
+           _op("runtime_inputs", batches=[[], ["b", "c"]], max_cache_length=None),
+           _op("release", request_id="b"),
+           _op("alloc", request_id="c"),
+           _op("runtime_inputs", batches=[[], ["c"]], max_cache_length=8),
+           _op("get_prefix_cache_hit_counts", tokens=a + [11, 12], cache_salt=None),
+           _op("release", request_id="c")]
+    return _trace("manager_replicas", "PagedKVCacheManager", "Two data-parallel replicas (xxh3_128, seed 3): "
+                  "per-replica block ids, lookup tables and hit counts, cross-replica reuse.", ops,
+                  params=params, manager={"num_blocks": 6, "max_batch_size": 2, "max_seq_len": 12})
+
+
 def hashing_vectors():
     cases = []
     for algo in ("sha256", "xxh3_128"):
@@ -267,7 +305,7 @@ def build_all() -> dict[str, str]:
     """``{file name: canonical JSON text}`` of every vector, recorded from kvref."""
     backend = kvref.conformance_backend()
     out = {"hashing.json": dumps(hashing_vectors())}
-    traces = [contiguous_trace(), paged_trace(), hybrid_trace(), manager_trace(),
+    traces = [contiguous_trace(), paged_trace(), hybrid_trace(), manager_trace(), manager_replicas_trace(),
               random_trace("PAGED", 1), random_trace("PAGED", 2), random_trace("CONTIGUOUS", 3)]
     for t in traces:
         t["records"] = run_trace(backend, t)
