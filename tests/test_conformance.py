@@ -240,7 +240,6 @@ def test_assert_same_names_the_first_difference():
 
 def test_strategies_respect_capabilities():
     from hypothesis import given, settings
-    from hypothesis import strategies as st
 
     from kvspec import KVCacheMode, LayerKind
     from kvspec.strategies import cache_configs, exact_values, manager_setups

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from .._config import KVCacheConfig, KVCacheMode, KVLayerSpec, LayerKind
-from .._manager_types import KVCacheParams, LeafSpec, TextContext
+from .._manager_types import KVCacheParams, TextContext
 from ._backend import Backend
 from ._compare import to_numpy
 from .machine import live_kv, scatter_kv

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvspec import CapacityError, KVCacheConfig, KVCacheMode, KVLayerSpec, LayerKind
+from kvspec import CapacityError, KVCacheConfig, KVCacheMode, KVLayerSpec
 from kvspec.conformance._compare import assert_same, to_numpy
 from kvspec.conformance._harness import CachePair
 from kvspec.conformance.machine import live_kv
