@@ -272,3 +272,24 @@ def test_backend_device_selection():
         gpu.on_device("cuda:1")
     proc = run_suite("--kv-backend=kvref", "--kv-device=cuda:0")
     assert proc.returncode == 4 and "--kv-device=cuda:0" in proc.stderr + proc.stdout, _tail(proc)
+
+
+def test_notes_are_python_source():
+    """The state machines note() configs as source that rebuilds the same objects."""
+    from hypothesis import given, settings
+
+    from kvspec import KVCacheConfig, KVCacheMode, KVCacheParams, KVLayerSpec, LeafSpec  # noqa: F401 (eval)
+    from kvspec.conformance._compare import config_source, params_source, specs_source
+    from kvspec.strategies import cache_configs, manager_setups
+
+    caps = frozenset(CAPABILITIES)
+
+    @settings(max_examples=25, deadline=None)
+    @given(cfg=cache_configs(caps), setup=manager_setups(caps))
+    def check(cfg, setup):
+        config, specs = cfg
+        assert eval(config_source(config)) == config, config_source(config)
+        assert eval(specs_source(specs)) == specs, specs_source(specs)
+        assert eval(params_source(setup["params"])) == setup["params"], params_source(setup["params"])
+
+    check()

@@ -14,7 +14,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["to_numpy", "assert_same", "Outcome", "capture", "assert_same_outcome", "data_ptr", "describe_exc"]
+__all__ = [
+    "to_numpy", "assert_same", "Outcome", "capture", "assert_same_outcome", "data_ptr", "describe_exc",
+    "config_source", "specs_source", "params_source",
+]
 
 
 def to_numpy(x) -> np.ndarray:
@@ -155,3 +158,49 @@ def assert_same_outcome(label: str, ref: Outcome, got: Outcome) -> None:
             raise AssertionError(f"{label}: message {str(got.exc)!r}, kvref says {str(ref.exc)!r}")
         return
     assert_same(ref.value, got.value, label)
+
+
+# ---------------------------------------------------------------- Python source for note()
+
+
+def config_source(cfg) -> str:
+    """``KVCacheConfig(...)`` as Python source (enums by name)."""
+    parts = []
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        parts.append(f"{f.name}={type(v).__name__}.{v.name}" if isinstance(v, enum.Enum) else f"{f.name}={v!r}")
+    return f"KVCacheConfig({', '.join(parts)})"
+
+
+def specs_source(specs) -> str:
+    """A list of ``KVLayerSpec`` constructor calls as Python source."""
+    out = []
+    for sp in specs:
+        kind = sp.kind.name
+        if kind == "ATTENTION":
+            out.append(f"KVLayerSpec.attention({sp.kv_heads}, {sp.head_dim})")
+        elif kind == "SLIDING_WINDOW":
+            out.append(f"KVLayerSpec.sliding_window({sp.kv_heads}, {sp.head_dim}, {sp.window})")
+        elif kind == "CROSS_ATTENTION":
+            out.append(f"KVLayerSpec.cross_attention({sp.kv_heads}, {sp.head_dim}, {sp.max_enc_len})")
+        else:
+            out.append(f"KVLayerSpec.state({sp.conv_dims!r}, {sp.conv_width}, {sp.recurrent!r})")
+    return f"[{', '.join(out)}]"
+
+
+def params_source(params) -> str:
+    """``KVCacheParams(...)`` as Python source (leaves as ``LeafSpec`` constructors)."""
+    fields = ("page_size", "num_layers", "kv_heads", "head_dim", "dtype", "data_parallel_degree",
+              "enable_prefix_caching", "hash_algo", "hash_seed")
+    parts = [f"{f}={getattr(params, f)!r}" for f in fields]
+    leaves = []
+    for lid, leaf in params.leaves().items():
+        kind = leaf.kind.name
+        if kind == "FULL":
+            leaves.append(f"{lid!r}: LeafSpec.full()")
+        elif kind == "SLIDING_WINDOW":
+            leaves.append(f"{lid!r}: LeafSpec.sliding_window({leaf.window})")
+        else:
+            leaves.append(f"{lid!r}: LeafSpec.recurrent({leaf.state_shape!r}, {leaf.state_dtype!r})")
+    parts.append(f"leaves={{{', '.join(leaves)}}}")
+    return f"KVCacheParams({', '.join(parts)})"

@@ -28,7 +28,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 from .. import strategies as kst
 from .._config import KVCacheMode, LayerKind
 from ._backend import Backend
-from ._compare import assert_same, assert_same_outcome, capture, data_ptr, to_numpy
+from ._compare import assert_same, assert_same_outcome, capture, config_source, data_ptr, specs_source, to_numpy
 
 __all__ = ["KVCacheComparison", "scatter_kv", "cache_snapshot", "live_kv"]
 
@@ -184,7 +184,7 @@ class KVCacheComparison(RuleBasedStateMachine):
         self.cfg, self.specs = cfg, specs
         self.paged = cfg.mode is KVCacheMode.PAGED
         self.S, self.L, self.P = cfg.max_seqs, cfg.max_seq_len, cfg.block_size
-        note(f"cache = make_cache({cfg!r}, {specs!r})")
+        note(f"cache = make_cache({config_source(cfg)}, {specs_source(specs)})")
         self.ref = self.oracle.make_cache(cfg, specs)
         self.sut = self.backend.build_cache(cfg, specs)
         self.seqtok = {s: [] for s in range(self.S)}

@@ -24,7 +24,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 from .. import strategies as kst
 from .._manager_types import DEFAULT_LEAF_ID, TextContext
 from ._backend import Backend
-from ._compare import assert_same, assert_same_outcome, capture, to_numpy
+from ._compare import assert_same, assert_same_outcome, capture, params_source, to_numpy
 
 __all__ = ["ManagerComparison", "write_forward", "manager_snapshot", "context_state"]
 
@@ -188,7 +188,8 @@ class ManagerComparison(RuleBasedStateMachine):
             from ._harness import ManualConnector
 
             self.conns = (ManualConnector(), ManualConnector())
-        note(f"manager = make_manager({self.params!r}, **{kw!r}, connector={'ManualConnector()' if self.conns[0] else None})")
+        conn = "ManualConnector()" if self.conns[0] else "None"
+        note(f"manager = make_manager({params_source(self.params)}, **{kw!r}, connector={conn})")
         self.ref = self.oracle.make_manager(self.params, connector=self.conns[0], **kw)
         self.sut = self.backend.build_manager(self.params, connector=self.conns[1], **kw)
         self._start_requests(data)
