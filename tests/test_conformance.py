@@ -278,7 +278,9 @@ def test_notes_are_python_source():
     """The state machines note() configs as source that rebuilds the same objects."""
     from hypothesis import given, settings
 
-    from kvspec import KVCacheConfig, KVCacheMode, KVCacheParams, KVLayerSpec, LeafSpec  # noqa: F401 (eval)
+    import kvspec
+
+    ns = {n: getattr(kvspec, n) for n in ("KVCacheConfig", "KVCacheMode", "KVCacheParams", "KVLayerSpec", "LeafSpec")}
     from kvspec.conformance._compare import config_source, params_source, specs_source
     from kvspec.strategies import cache_configs, manager_setups
 
@@ -288,8 +290,8 @@ def test_notes_are_python_source():
     @given(cfg=cache_configs(caps), setup=manager_setups(caps))
     def check(cfg, setup):
         config, specs = cfg
-        assert eval(config_source(config)) == config, config_source(config)
-        assert eval(specs_source(specs)) == specs, specs_source(specs)
-        assert eval(params_source(setup["params"])) == setup["params"], params_source(setup["params"])
+        assert eval(config_source(config), ns) == config, config_source(config)
+        assert eval(specs_source(specs), ns) == specs, specs_source(specs)
+        assert eval(params_source(setup["params"]), ns) == setup["params"], params_source(setup["params"])
 
     check()
