@@ -39,6 +39,15 @@ __all__ = ["PagedKVCacheManager"]
 _DONE = CompletedTransfer()
 
 
+def _token_bytes(tokens: np.ndarray) -> bytes:
+    """Token ids (int32 [n]) as little-endian bytes: what a hit compares (Spec §6).
+
+    Deliberately not ``kvspec.hashing.tokens_to_bytes``: the hash input may be
+    patched (the conformance collision test), the verified tokens never are.
+    """
+    return np.ascontiguousarray(tokens, dtype="<i4").tobytes()
+
+
 def _chain(parent: bytes, data: bytes, step: int, n: int, hash_algo: str) -> list[bytes]:
     """``n`` chained block hashes over ``data`` (``step`` bytes per block), DESIGN §6."""
     out = []
@@ -171,7 +180,7 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
             cap = min(len(hashes), (ctx.active_length - 1) // page)
             hits = []
             if cap:
-                data = hashing.tokens_to_bytes(ctx.tokens[: cap * page])
+                data = _token_bytes(ctx.tokens[: cap * page])
                 step = self._page_bytes
                 for i in range(cap):
                     b = pool.lookup_bytes(hashes[i], data[i * step : (i + 1) * step])
@@ -250,7 +259,7 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
         if end <= lo:
             return  # nothing new filled: nothing to publish
         pool = self._pools[0][self._conn_leaf]
-        data = hashing.tokens_to_bytes(ctx.tokens[lo * page : end * page])
+        data = _token_bytes(ctx.tokens[lo * page : end * page])
         canon = pool.publish_run(row[lo:end], hashes[lo:end], data)
         for i in range(lo, end):
             c, b = canon[i - lo], row[i]

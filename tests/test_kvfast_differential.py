@@ -348,3 +348,45 @@ def test_peer_adapter_lifecycle_matches_reference():
         assert sides[0]._free_order() == sides[1]._free_order()
         for m in sides:
             m.check_invariants()
+
+
+def test_manager_collisions_never_serve_wrong_tokens():
+    """Every block hash collides (token values ignored): hits still verify the stored tokens."""
+    from kvref._backend import collide_hashes
+
+    results = []
+    with collide_hashes():
+        for mod in (kvref, kvfast):
+            m = mod.PagedKVCacheManager(KVCacheParams(page_size=2, num_layers=1, kv_heads=1, head_dim=1),
+                                        num_blocks=16, max_batch_size=4, max_seq_len=32)
+            out = []
+            for rid, prompt in (("a", [1, 2, 3, 4, 5]), ("b", [1, 2, 9, 9, 5]), ("c", [7, 7, 3, 4, 5]),
+                                ("d", [1, 2, 3, 4, 6])):
+                ctx = TextContext(rid, prompt)
+                m.claim(ctx)
+                m.alloc(ctx)
+                out.append((rid, ctx.cached_prefix_length, m.get_req_blocks_per_leaf(ctx)))
+                ctx.update(1)
+                m.step(ctx)
+                m.release(ctx)
+                m.check_invariants()
+            results.append((out, m._free_order(), m.get_metrics_aggregated()))
+    assert results[0] == results[1]
+    hits = {rid: hit for rid, hit, _ in results[1][0]}
+    assert hits == {"a": 0, "b": 2, "c": 0, "d": 4}  # only true prefixes hit
+
+
+def test_slot_cache_collisions_never_serve_wrong_tokens():
+    from kvref._backend import collide_hashes
+    from kvspec import KVCacheConfig, KVCacheMode, KVLayerSpec
+
+    cfg = KVCacheConfig(num_layers=1, max_seqs=2, max_seq_len=16, mode=KVCacheMode.PAGED, block_size=2)
+    out = []
+    with collide_hashes():
+        for mod in (kvref, kvfast):
+            c = mod.KVCache.make(cfg, [KVLayerSpec.attention(1, 2)])
+            c.reserve([0], [5])
+            c.retire(0, [1, 2, 3, 4, 5])
+            out.append((c.admit(1, [1, 2, 9, 9, 9]), c.paged_block_table().tolist(), c._free_order()))
+            c.check_invariants()
+    assert out[0] == out[1] and out[1][0] == 2
