@@ -11,7 +11,8 @@ the differential suite checks the replaced parts:
 * write sets kept as arrays and turned into sets only when
   ``check_invariants`` reads them.
 
-``device="cuda[:N]"`` stores every buffer as a CuPy array; without CuPy or a
+``device="cuda[:N]"`` stores every buffer as a CuPy array (bfloat16 storage as
+its uint16 bit patterns: CuPy has no bfloat16 dtype); without CuPy or a
 visible GPU ``make`` raises ``RuntimeError`` saying so.
 """
 
@@ -168,10 +169,14 @@ class KVCache(_ref.KVCache):
 
     def _to_device(self, xp, dev: int) -> None:  # pragma: no cover - needs a GPU
         """Move every storage buffer to GPU ``dev`` (bookkeeping stays on the host)."""
+        def dev_array(a):
+            # CuPy has no bfloat16: such storage lives as its uint16 bit patterns on the device.
+            return xp.asarray(a.view(np.uint16) if a.dtype.name == "bfloat16" else a)
+
         with xp.cuda.Device(dev):
-            self._kv = {l: (xp.asarray(k), xp.asarray(v)) for l, (k, v) in self._kv.items()}
-            self._conv = {l: [xp.asarray(s) for s in slabs] for l, slabs in self._conv.items()}
-            self._rec = {l: None if r is None else xp.asarray(r) for l, r in self._rec.items()}
+            self._kv = {l: (dev_array(k), dev_array(v)) for l, (k, v) in self._kv.items()}
+            self._conv = {l: [dev_array(s) for s in slabs] for l, slabs in self._conv.items()}
+            self._rec = {l: None if r is None else dev_array(r) for l, r in self._rec.items()}
         self._device = dev
 
     # ------------------------------------------------------------------ fast paths
