@@ -4,7 +4,8 @@
   ``kvfast.KVCache`` (+ ``kvfast.ops``) against ``kvref`` and compares, after
   every rule, returned values / exceptions (type and message), ``seq_lens``,
   block tables, the free order, stored K/V bytes, state slabs and cross planes.
-* The request manager: ``ManagerDiff`` below plays a scheduler against a
+* The request manager: the conformance machine ``ManagerComparison`` (with
+  tiers), and ``ManagerDiff`` below, which plays a scheduler against a
   ``kvref`` and a ``kvfast`` manager at once (the fast path's configuration and
   a two-replica, three-leaf one) and compares returned values, exceptions,
   block ids per leaf, free orders, metrics, block counts, context fields,
@@ -43,6 +44,13 @@ def test_slot_cache_differential():
     from kvspec.conformance.machine import KVCacheComparison
 
     run_state_machine_as_test(KVCacheComparison.for_backend(conformance_backend()))
+
+
+def test_manager_conformance_machine():
+    """The conformance suite's manager machine (tiers, replicas, leaves) on kvfast vs kvref."""
+    from kvspec.conformance.manager_machine import ManagerComparison
+
+    run_state_machine_as_test(ManagerComparison.for_backend(conformance_backend()))
 
 
 @pytest.mark.gpu
