@@ -193,7 +193,7 @@ class ManagerPair:
 
 
 class ManualConnector:
-    """A connector whose loads land only when the test says so (``land()``).
+    """A connector whose loads land (``land()``) or fail (``fail()``) only when the test says so.
 
     ``offload`` copies pages into a dict at once; ``load`` returns a pending
     handle and copies nothing until ``land()``. ``reset_prefix_cache`` keeps
@@ -236,6 +236,15 @@ class ManualConnector:
             for b, h in zip(t.block_ids, t.hashes):
                 _assign_page(self.buffers[t.replica], b, self.store[h][1])
             t.done = True
+        self.pending = []
+        return n
+
+    def fail(self) -> int:
+        """Fail every pending load: its handle's ``is_complete()`` raises
+        ``KVLoadFailed`` and nothing is copied. Returns how many failed."""
+        n = len(self.pending)
+        for t in self.pending:
+            t.failed = True
         self.pending = []
         return n
 
@@ -284,13 +293,19 @@ class _ManualTransfer:
     def __init__(self, conn: ManualConnector, replica: int, block_ids: list[int], hashes: list[bytes]):
         self.conn, self.replica, self.block_ids, self.hashes = conn, replica, block_ids, hashes
         self.done = False
+        self.failed = False
 
     def is_complete(self) -> bool:
+        if self.failed:
+            from ..errors import KVLoadFailed
+
+            raise KVLoadFailed(f"ManualConnector: load of {len(self.block_ids)} blocks failed")
         return self.done
 
     def synchronize(self) -> None:
-        if not self.done:
+        if not self.done and not self.failed:
             self.conn.land()
+        self.is_complete()
 
 
 def to_numpy_page(buffer, block: int) -> np.ndarray:

@@ -369,12 +369,20 @@ class ManagerComparison(RuleBasedStateMachine):
         self._both(f"manager.get_prefix_cache_hit_counts(TextContext('probe', {tokens.tolist()}))",
                    lambda m, cs: m.get_prefix_cache_hit_counts(TextContext("probe", tokens)))
 
-    @precondition(lambda self: self.ref is not None and self.conns[0] is not None)
+    @precondition(lambda self: self.ref is not None and self.conns[0] is not None and self.conns[0].pending)
     @rule()
     def land_transfers(self):
         """Land every pending connector load on both sides (the copies finish)."""
         note("connector.land()")
         assert self.conns[0].land() == self.conns[1].land(), "pending loads differ between kvref and the backend"
+
+    @precondition(lambda self: self.ref is not None and self.conns[0] is not None and self.conns[0].pending)
+    @rule(gate=st.booleans())
+    def fail_transfers(self, gate):
+        """Fail every pending load on both sides (one draw in two): the copy broke."""
+        if gate:
+            note("connector.fail()")
+            assert self.conns[0].fail() == self.conns[1].fail(), "pending loads differ between kvref and the backend"
 
     @rule(gate=_RARE)
     def reset_prefix_cache(self, gate):
