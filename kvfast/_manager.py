@@ -20,6 +20,7 @@ What changes is the cost:
 from __future__ import annotations
 
 import hashlib
+import itertools
 
 import numpy as np
 
@@ -27,7 +28,15 @@ from kvref import _manager as _ref
 from kvref._block_pool import NULL_BLOCK
 from kvspec import hashing
 from kvspec._config import check_int, parse_device
-from kvspec._manager_types import CompletedTransfer, KVCacheParams, KVTransfer, LeafKind, TextContext
+from kvspec._manager_types import (
+    CompletedTransfer,
+    KVCacheInputs,
+    KVCacheInputsPerDevice,
+    KVCacheParams,
+    KVTransfer,
+    LeafKind,
+    TextContext,
+)
 from kvspec.errors import InsufficientBlocksError
 
 from ._block_pool import BlockPool
@@ -283,10 +292,105 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
             self._pools[0][self._conn_leaf].free(np.array(row[::-1], dtype=np.int64))
 
     def runtime_inputs(self, batches, *, max_cache_length: int | None = None):
-        """The paged-attention inputs of one forward (same contract as the reference)."""
-        out = super().runtime_inputs(batches, max_cache_length=max_cache_length)
+        """The paged-attention inputs of one forward (same contract, errors and order as the reference).
+
+        With one full or sliding-window leaf the lookup tables are built in
+        one vectorised scatter per replica (no per-block Python work).
+        """
+        if len(self._leaves) == 1 and not self._leaves[0].is_recurrent:
+            out = KVCacheInputs(tuple(self._lean_inputs("runtime_inputs", batches, max_cache_length)))
+        else:
+            out = super().runtime_inputs(batches, max_cache_length=max_cache_length)
         if isinstance(self._device, str) and self._device.startswith("cuda"):  # pragma: no cover - needs a GPU
             out = self._inputs_to_device(out)
+        return out
+
+    def _lean_inputs(self, op: str, batches, max_cache_length) -> list[KVCacheInputsPerDevice]:
+        """``runtime_inputs`` for a single non-recurrent leaf: the reference's checks in
+        the reference's order, then one scatter per replica into a zeroed table."""
+        page = self._page
+        lid = self._leaves[0].leaf_id
+        if not isinstance(batches, (list, tuple)):
+            raise TypeError(f"{op}: batches={type(batches).__name__}, must be a list of lists of TextContext")
+        for r, batch in enumerate(batches):
+            if not isinstance(batch, (list, tuple)):
+                raise TypeError(f"{op}: batches[{r}]={type(batch).__name__}, must be a list of TextContext")
+            for i, c in enumerate(batch):
+                if not isinstance(c, TextContext):
+                    raise TypeError(f"{op}: batches[{r}][{i}]={c!r}, must be a TextContext")
+        if max_cache_length is not None and not _ref._is_int(max_cache_length):
+            raise TypeError(f"{op}: max_cache_length={max_cache_length!r}, must be an int or None")
+        # Spec §7.2 (1)
+        if len(batches) != self._dp:
+            raise ValueError(f"{op}: len(batches)={len(batches)} but data_parallel_degree={self._dp}; "
+                             "the number of batches must match the number of replicas")
+        # (3): one pass per context; rows and widths kept for the scatter
+        seen = set()
+        requests = self._requests
+        rows_per_batch = []
+        need = 0
+        for r, batch in enumerate(batches):
+            rows, widths = [], []
+            for i, c in enumerate(batch):
+                rid = c.request_id
+                req = requests.get(rid)
+                if req is None:
+                    raise ValueError(f"{op}: batches[{r}][{i}] request_id={rid!r} is not claimed; "
+                                     "claim and alloc must be called first")
+                if req.replica != r:
+                    raise ValueError(f"{op}: batches[{r}][{i}] request_id={rid!r} is claimed on "
+                                     f"replica {req.replica}, not {r}")
+                if rid in seen:
+                    raise ValueError(f"{op}: batches[{r}][{i}] request_id={rid!r} appears twice")
+                seen.add(rid)
+                row = req.rows[lid]
+                pos = c.current_position
+                if len(row) * page < pos:
+                    raise ValueError(
+                        f"{op}: batches[{r}][{i}] request_id={rid!r} holds {len(row)} blocks of leaf "
+                        f"{lid!r} ({len(row) * page} tokens) < current_position={pos}; "
+                        "it does not have sufficient blocks, alloc must be called first")
+                n = -(-pos // page)
+                rows.append(row)
+                widths.append(n)
+                if n > need:
+                    need = n
+            rows_per_batch.append((rows, widths))
+        # (4)
+        if max_cache_length is not None:
+            if max_cache_length < 1:
+                raise ValueError(f"{op}: max_cache_length={max_cache_length}, must be >= 1")
+            cols_from = -(-max_cache_length // page)
+            if cols_from < need:
+                raise ValueError(f"{op}: max_cache_length={max_cache_length} gives {cols_from} blocks < {need} "
+                                 "the batch needs; capture max_cache_length cannot be smaller than the batch's")
+            need = cols_from
+        # (5)
+        for r, batch in enumerate(batches):
+            if len(batch) > self._max_batch_size:
+                raise ValueError(f"{op}: len(batches[{r}])={len(batch)} > max_batch_size={self._max_batch_size}")
+
+        self._post_offloads()  # Spec §8.2: queued offloads are posted before the forward
+        cols = _ref.LUT_ALIGN * max(1, -(-need // _ref.LUT_ALIGN))
+        out = []
+        for r, batch in enumerate(batches):
+            rows, widths = rows_per_batch[r]
+            n = len(batch)
+            lut = np.zeros((n, cols), dtype=np.uint32)
+            if n:
+                w = np.asarray(widths, dtype=np.int64)
+                flat = np.fromiter(itertools.chain.from_iterable(
+                    row[:k] for row, k in zip(rows, widths)), dtype=np.uint32, count=int(w.sum()))
+                starts = np.repeat(np.cumsum(w) - w, w)
+                lut[np.repeat(np.arange(n), w), np.arange(flat.size) - starts] = flat
+            out.append(KVCacheInputsPerDevice(
+                kv_blocks=self._buffers[r][lid],
+                lookup_table=lut,
+                cache_lengths=np.fromiter((c.processed_length for c in batch), dtype=np.uint32, count=n),
+                max_prompt_length=max((c.active_length for c in batch), default=0),
+                max_cache_length=(int(max_cache_length) if max_cache_length is not None
+                                  else max((c.current_position for c in batch), default=0)),
+            ))
         return out
 
     def _inputs_to_device(self, inputs):  # pragma: no cover - needs a GPU
