@@ -420,19 +420,20 @@ def _cmd_bench(args) -> int:
     except ModuleNotFoundError as e:
         if e.name != "kvcache.bench":
             raise
-        raise CommandUnavailable("kvcache bench: the benchmark module kvcache/bench.py is not part of this build") from None
+        raise CommandUnavailable("kvcache bench: the benchmark module kvcache/bench.py is not part of this build"
+                                 ) from None
     # kvcache.bench parses its own options with argparse; keep its errors to one line.
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):
             code = bench.main(list(args.passthrough))
     except SystemExit as e:
-        if e.code in (0, None):
+        if e.code in (0, None):  # --help
+            sys.stderr.write(captured.getvalue())
             return 0
-        lines = [line for line in captured.getvalue().splitlines() if ": error: " in line]
-        raise UsageError(lines[-1].split(": error: ", 1)[1] if lines else f"kvcache bench exited with {e.code}") from None
-    finally:
-        sys.stderr.write(captured.getvalue() if not sys.exc_info()[0] else "")
+        lines = [line.split(": error: ", 1)[1] for line in captured.getvalue().splitlines() if ": error: " in line]
+        raise UsageError(lines[-1] if lines else f"kvcache bench exited with {e.code}") from None
+    sys.stderr.write(captured.getvalue())
     return int(code or 0)
 
 if __name__ == "__main__":  # python -m kvcache.cli

@@ -50,8 +50,10 @@ def format_table(stats: ReplayStats) -> str:
         ("block use peak / mean", f"{s.peak_blocks_used:,} / {s.mean_blocks_used:,.1f}  "
                                   f"({pct(s.peak_blocks_used):.1f} % / {pct(s.mean_blocks_used):.1f} %)"),
         ("preemptions", f"{s.preemptions:,}"),
-        ("tier bytes moved", f"device->host {format_bytes(s.d2h_bytes)}, host->device {format_bytes(s.h2d_bytes)}, "
-                             f"disk write {format_bytes(s.disk_bytes_written)}, disk read {format_bytes(s.disk_bytes_read)}"),
+        ("tier bytes moved", f"device->host {format_bytes(s.d2h_bytes)}, "
+                             f"host->device {format_bytes(s.h2d_bytes)}, "
+                             f"disk write {format_bytes(s.disk_bytes_written)}, "
+                             f"disk read {format_bytes(s.disk_bytes_read)}"),
         ("scheduler steps", f"{s.steps:,}"),
         ("bookkeeping per step", f"mean {_us(s.bookkeeping_us_mean)}, p50 {_us(s.bookkeeping_us_p50)}, "
                                  f"p99 {_us(s.bookkeeping_us_p99)}"),
