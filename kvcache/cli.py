@@ -127,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--host-bytes", metavar="BYTES", default="0", help="host tier size (default 0: none)")
     c.add_argument("--disk-bytes", metavar="BYTES", default="0", help="disk tier size (default 0: none)")
     c.add_argument("--disk-dir", metavar="DIR", help="disk tier directory (default: a temporary one)")
+    c.add_argument("--remote", metavar="URL",
+                   help="shared Redis tier under host and disk: redis://host:port/db or redis+cluster://host:port")
     c.add_argument("--replicas", type=int, default=1, help="data-parallel replicas (default 1)")
     c.add_argument("--backend", choices=("kvfast", "kvref"),
                    help="manager implementation (default kvfast when it has a PagedKVCacheManager, else kvref)")
@@ -226,6 +228,8 @@ def _cmd_replay(args) -> int:
         raise UsageError(f"--disk-dir={args.disk_dir} needs --disk-bytes > 0")
     if args.disk_dir is not None and os.path.exists(args.disk_dir) and not os.path.isdir(args.disk_dir):
         raise UsageError(f"--disk-dir={args.disk_dir}: exists and is not a directory")
+    if args.remote is not None and not re.match(r"redis(\+cluster)?://[^/:]+(:\d+)?(/\d+)?$", args.remote):
+        raise UsageError(f"--remote={args.remote}, must be redis://host:port/db or redis+cluster://host:port")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         raise UsageError(f"--device={args.device}, must be cpu, cuda or cuda:N")
     _writable("--json", args.json)
@@ -234,7 +238,8 @@ def _cmd_replay(args) -> int:
         report.check_plot_available()
     config = ReplayConfig(
         page_size=args.page_size, num_blocks=args.num_blocks, device_bytes=device_bytes,
-        host_bytes=host_bytes, disk_bytes=disk_bytes, disk_dir=args.disk_dir, replicas=args.replicas,
+        host_bytes=host_bytes, disk_bytes=disk_bytes, disk_dir=args.disk_dir, remote_url=args.remote,
+        replicas=args.replicas,
         backend=args.backend or "auto", device=args.device, max_batch_size=args.max_batch_size,
         max_batch_tokens=args.max_batch_tokens, max_inflight=args.max_inflight,
         num_layers=args.num_layers, kv_heads=args.kv_heads, head_dim=args.head_dim,

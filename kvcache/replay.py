@@ -76,6 +76,9 @@ class ReplayConfig:
         Tier sizes (0 = no tier).
     disk_dir : str, optional
         Disk tier directory; default a temporary directory removed at the end.
+    remote_url : str, optional
+        Shared Redis tier under host and disk (``redis://host:port/db`` or
+        ``redis+cluster://host:port``); see ``spec/remote-tier.md``.
     replicas : int
         Data-parallel replicas, each with its own pool.
     backend : {"auto", "kvfast", "kvref"}
@@ -101,6 +104,7 @@ class ReplayConfig:
     host_bytes: int = 0
     disk_bytes: int = 0
     disk_dir: str | None = None
+    remote_url: str | None = None
     replicas: int = 1
     backend: str = "auto"
     device: str = "cpu"
@@ -124,6 +128,8 @@ class ReplayConfig:
         check_int(o, "host_bytes", self.host_bytes, low=0)
         check_int(o, "disk_bytes", self.disk_bytes, low=0)
         check_int(o, "replicas", self.replicas, low=1)
+        if self.remote_url is not None and not str(self.remote_url).startswith(("redis://", "redis+cluster://")):
+            raise ValueError(f"{o}: remote_url={self.remote_url!r}, must start with redis:// or redis+cluster://")
         if self.backend not in ("auto",) + BACKENDS:
             raise ValueError(f"{o}: backend={self.backend!r}, must be one of {('auto',) + BACKENDS}")
         parse_device(o, self.device)
@@ -361,12 +367,22 @@ def replay(
     ceiling = infinite_cache_ceiling(requests, bs)
     tmp_dir = tempfile.mkdtemp(prefix="kvcache-disk-") if config.disk_bytes and not config.disk_dir else None
     try:
+        connector = None
+        if config.remote_url is not None:
+            # Spec remote-tier §7: the remote tier sits under the host and disk tiers.
+            from kvref import TieredConnector
+
+            connector = TieredConnector(
+                config.host_bytes, config.disk_bytes, (tmp_dir or config.disk_dir) if config.disk_bytes else None,
+                remote_url=config.remote_url,
+            )
         mgr = cls(
             config.params(tmp_dir),
             num_blocks=nblocks,
             max_batch_size=config.max_batch_size,
             max_seq_len=longest.total_length,
             device=config.device,
+            connector=connector,
         )
         try:
             stats = _Loop(mgr, requests, config, progress).run()
