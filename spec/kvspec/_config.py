@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 import math
 import re
+
+import numpy as np
 from dataclasses import dataclass
 
 from ._dtypes import KV_DTYPES, STATE_DTYPES, resolve_dtype
@@ -36,9 +38,10 @@ def check_int(owner: str, name: str, value, *, low: int | None = None, high: int
 
     ``bool`` is refused: ``True`` is not a size.
     """
-    import numpy as np
-
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    if type(value) is int:  # the common case, without the isinstance chain
+        if (low is None or value >= low) and (high is None or value <= high):
+            return value
+    elif isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{owner}: {name}={value!r}, must be an int")
     value = int(value)
     if low is not None and value < low:
