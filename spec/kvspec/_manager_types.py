@@ -387,44 +387,40 @@ class TextContext:
 # --------------------------------------------------------------------------- counts
 
 
+class _FreeOfTotal:
+    """``used``, ``used_pct`` and ``free_pct`` of a ``free``/``total`` pair (0 % when total is 0)."""
+
+    __slots__ = ()
+    free: int
+    total: int
+
+    @property
+    def used(self) -> int:
+        return self.total - self.free
+
+    @property
+    def used_pct(self) -> float:
+        return 100.0 * self.used / self.total if self.total else 0.0
+
+    @property
+    def free_pct(self) -> float:
+        return 100.0 * self.free / self.total if self.total else 0.0
+
+
 @dataclass(frozen=True, slots=True)
-class BlockCount:
+class BlockCount(_FreeOfTotal):
     """Blocks of one replica: ``free`` (cached-unreferenced count as free) of ``total`` (null excluded)."""
 
     free: int
     total: int
 
-    @property
-    def used(self) -> int:
-        return self.total - self.free
-
-    @property
-    def used_pct(self) -> float:
-        return 100.0 * self.used / self.total if self.total else 0.0
-
-    @property
-    def free_pct(self) -> float:
-        return 100.0 * self.free / self.total if self.total else 0.0
-
 
 @dataclass(frozen=True, slots=True)
-class ByteCount:
+class ByteCount(_FreeOfTotal):
     """Bytes of a tier: ``free`` of ``total``."""
 
     free: int
     total: int
-
-    @property
-    def used(self) -> int:
-        return self.total - self.free
-
-    @property
-    def used_pct(self) -> float:
-        return 100.0 * self.used / self.total if self.total else 0.0
-
-    @property
-    def free_pct(self) -> float:
-        return 100.0 * self.free / self.total if self.total else 0.0
 
 
 @dataclass(frozen=True, slots=True)
