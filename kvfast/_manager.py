@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import sys
 
 import numpy as np
 
@@ -40,12 +41,23 @@ from kvspec._manager_types import (
 from kvspec.errors import InsufficientBlocksError
 
 from ._block_pool import BlockPool
+from ._numba import sha as _sha
 from ._slot_cache import require_cuda
 
 __all__ = ["PagedKVCacheManager"]
 
 #: ``alloc``'s result when nothing is in flight (immutable, shared).
 _DONE = CompletedTransfer()
+
+#: Token ids are stored as native int32: on a little-endian machine their bytes are the hash input.
+_NATIVE_LE = sys.byteorder == "little"
+
+#: The unpatched hash-input function (the conformance collision test swaps it).
+_TOKENS_TO_BYTES = hashing.tokens_to_bytes
+
+
+def _sha256_digest(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
 
 
 def _token_bytes(tokens: np.ndarray) -> bytes:
@@ -59,19 +71,15 @@ def _token_bytes(tokens: np.ndarray) -> bytes:
 
 def _chain(parent: bytes, data: bytes, step: int, n: int, hash_algo: str) -> list[bytes]:
     """``n`` chained block hashes over ``data`` (``step`` bytes per block), DESIGN §6."""
-    out = []
     if hash_algo == "sha256":
-        sha = hashlib.sha256
-        for i in range(n):
-            parent = sha(parent + data[i * step : (i + 1) * step]).digest()
-            out.append(parent)
-    else:
-        import xxhash
+        return _sha.chain_sha256(parent, data, step, n)
+    import xxhash
 
-        h = xxhash.xxh3_128_digest
-        for i in range(n):
-            parent = h(parent + data[i * step : (i + 1) * step])
-            out.append(parent)
+    h = xxhash.xxh3_128_digest
+    out = []
+    for i in range(n):
+        parent = h(parent + data[i * step : (i + 1) * step])
+        out.append(parent)
     return out
 
 
@@ -122,6 +130,12 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
             and not self._uses_connector
         )
         self._page_bytes = 4 * self._page
+        if params.hash_algo == "sha256":
+            self._hash1 = _sha256_digest
+        else:
+            import xxhash
+
+            self._hash1 = xxhash.xxh3_128_digest
         if kind == "cuda":  # pragma: no cover - needs a GPU
             import cupy as cp
 
@@ -152,21 +166,31 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
         runs the external stage); all or nothing on ``InsufficientBlocksError``.
         """
         # Decode fast lane: a claimed request already holding pages that cover its next forward.
-        req = self._requests.get(ctx.request_id) if type(ctx) is TextContext else None
-        if (
-            req is not None and req.ctx is ctx and defer_lookup is False and self._fast and not req.dummy
-            and not self._loads and not self._offloads
-        ):
-            row = req.rows[self._conn_leaf]
-            if row and len(ctx) <= self._max_seq_len and -(-ctx.current_position // self._page) <= len(row):
-                m = self._metrics
-                active = ctx.active_length
-                if req.counted_gen == req.step_gen:
-                    m.input_tokens += active - req.counted_active
-                else:
-                    m.input_tokens += active
-                req.counted_gen, req.counted_active = req.step_gen, active
-                return _DONE
+        # With self._fast (no connector) nothing is ever loading or offloading, so only the
+        # request and its context need checking. The context's slots are read directly
+        # (type(ctx) is exactly TextContext): len(ctx), current_position, active_length.
+        if type(ctx) is TextContext and defer_lookup is False and self._fast:
+            req = self._requests.get(ctx.request_id)
+            if req is not None and req.ctx is ctx and not req.dummy:
+                row = req.rows[self._conn_leaf]
+                active = ctx._active
+                if row and ctx._length <= self._max_seq_len:
+                    # Not at the reuse point (the row holds pages): only growth, no splice.
+                    short = ctx._processed + active - len(row) * self._page
+                    if short > 0:
+                        need = -(-short // self._page)
+                        pool = self._pools[0][self._conn_leaf]
+                        if need > pool.num_free:
+                            return self._alloc_fast(ctx, defer_lookup)  # raises InsufficientBlocksError
+                        row.extend(pool.allocate(need))
+                    # Spec §6.1: input_tokens counts each forward's active tokens once.
+                    if req.counted_gen == req.step_gen:
+                        self._metrics.input_tokens += active - req.counted_active
+                    else:
+                        self._metrics.input_tokens += active
+                        req.counted_gen = req.step_gen
+                    req.counted_active = active
+                    return _DONE
         return self._alloc_fast(ctx, defer_lookup)
 
     def _alloc_fast(self, ctx: TextContext, defer_lookup: bool) -> KVTransfer:
@@ -236,16 +260,16 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
 
     def step(self, ctx: TextContext) -> None:
         """Commit what the forward wrote (call after ``ctx.update``); same contract as the reference."""
-        req = self._requests.get(ctx.request_id) if type(ctx) is TextContext else None
-        if req is None or req.ctx is not ctx or req.dummy or not self._fast or self._loads:
-            if not self._fast or self._loads:
-                return super().step(ctx)
-            req = self._req("step", ctx)
+        if type(ctx) is not TextContext or not self._fast:
+            return super().step(ctx)
+        req = self._requests.get(ctx.request_id)
+        if req is None or req.ctx is not ctx or req.dummy:
+            req = self._req("step", ctx)  # raises, or adopts a replacement context (Spec §2.3)
             if req.dummy:
                 return
         row = req.rows[self._conn_leaf]
         page = self._page
-        processed = ctx.processed_length
+        processed = ctx._processed
         if processed > len(row) * page:
             raise ValueError(
                 f"step: processed_length={processed} > {len(row) * page} tokens in the allocated rows; "
@@ -259,9 +283,13 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
             return
         lo = req.committed
         hashes = req.hashes
-        n_hash = (len(ctx) - 1) // page
-        if len(hashes) == n_hash and processed // page <= lo:
+        n_hash = (ctx._length - 1) // page
+        k = len(hashes)
+        if k == n_hash and processed // page <= lo:
             return  # decode step inside a block: nothing to hash or publish
+        if n_hash == k + 1 == lo + 1 and processed // page == n_hash:
+            self._fill_one(req, ctx, row, k)  # a decode step filled one block
+            return
         if len(hashes) != n_hash:
             req.hashes = hashes = self._hashes_for(ctx, hashes)
         end = min(processed // page, len(hashes))
@@ -277,6 +305,26 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
                 row[i] = c
                 pool.free([b])
         req.committed = end
+
+    def _fill_one(self, req, ctx: TextContext, row: list[int], i: int) -> None:
+        """Hash and publish row block ``i`` (a decode step just filled it; blocks before are committed)."""
+        page = self._page
+        toks = ctx._tokens[i * page : (i + 1) * page]
+        tb = toks.tobytes() if _NATIVE_LE else _token_bytes(toks)
+        # Spec §6: the hash input goes through kvspec.hashing.tokens_to_bytes (patchable in tests).
+        hin = tb if hashing.tokens_to_bytes is _TOKENS_TO_BYTES else hashing.tokens_to_bytes(toks)
+        hashes = req.hashes
+        parent = hashes[-1] if hashes else self._root(ctx.cache_salt)
+        h = self._hash1(parent + hin)
+        pool = self._pools[0][self._conn_leaf]
+        b = row[i]
+        c = pool.publish_bytes(b, h, tb)
+        if c != b:  # Spec §5.2: twin dedup, keep the published copy
+            pool.touch(c)
+            row[i] = c
+            pool.free([b])
+        req.hashes = hashes + [h]
+        req.committed = i + 1
 
     def release(self, ctx: TextContext | str) -> None:
         """Free the request's pages, tail first, and forget it (same contract as the reference)."""
