@@ -15,7 +15,7 @@ def test_chain_matches_kvspec_block_hashes(page, n):
     rng = np.random.default_rng(page * 100 + n)
     tokens = rng.integers(-(2**31), 2**31, size=n * page + 3, dtype=np.int64).astype(np.int32)
     root = hashing.root_hash(7, "salt")
-    want = hashing.block_hashes(tokens, page, "sha256", parent=root)
+    want = hashing.block_hashes(tokens, page, "sha256", parent=root, num_blocks=n)
     got = sha.chain_sha256(root, hashing.tokens_to_bytes(tokens), 4 * page, n)
     assert got == want
     assert all(type(h) is bytes and len(h) == 32 for h in got)
