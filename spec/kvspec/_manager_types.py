@@ -321,8 +321,9 @@ class TextContext:
     def update(self, token: int) -> None:
         """After a forward over the whole active region: append ``token`` and
         leave it as the only active token."""
-        check_int("TextContext.update", "token", token, low=-(2**31), high=2**31 - 1)
-        if self.pending_length:
+        if type(token) is not int or not -2147483648 <= token <= 2147483647:  # else check_int passes
+            check_int("TextContext.update", "token", token, low=-(2**31), high=2**31 - 1)
+        if self._length != self._processed + self._active:  # pending_length, inlined (per-token path)
             raise ValueError(
                 f"TextContext.update: {self.pending_length} pending tokens after a chunk; call advance_chunk()"
             )
