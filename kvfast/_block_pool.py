@@ -27,6 +27,8 @@ Allocation order (part of the spec, so block ids agree across backends):
 
 from __future__ import annotations
 
+from collections import deque
+from itertools import repeat
 from typing import Callable, Iterable
 
 import numpy as np
@@ -39,6 +41,9 @@ __all__ = ["BlockPool", "NULL_BLOCK"]
 
 #: The null block: padding target of every table, never allocated.
 NULL_BLOCK = 0
+
+#: Runs an iterator of side effects (``map`` of a setter) to the end at C speed.
+_consume = deque(maxlen=0).extend
 
 
 class _TokenView:
@@ -193,14 +198,16 @@ class BlockPool:
         if pub.any():
             evicted = out[pub]
             self._published[evicted] = False
-            bh, tb, idx, cb = self.block_hash, self._tok_bytes, self.hash_to_block, self.on_evict
-            for b in evicted.tolist():
-                h = bh[b]
-                if idx.get(h) == b:
-                    del idx[h]
-                bh[b] = None
-                tb[b] = None
-                if cb is not None:
+            ev = evicted.tolist()
+            bh, idx, cb = self.block_hash, self.hash_to_block, self.on_evict
+            hs = list(map(bh.__getitem__, ev))
+            # The index is a bijection onto the published blocks (check_invariants), so
+            # every evicted block's hash maps to it: drop the entries, then the slots.
+            _consume(map(idx.__delitem__, hs))
+            _consume(map(bh.__setitem__, ev, repeat(None)))
+            _consume(map(self._tok_bytes.__setitem__, ev, repeat(None)))
+            if cb is not None:
+                for h in hs:
                     cb(h)
         return out
 
@@ -291,6 +298,19 @@ class BlockPool:
             return []
         step = len(data) // n
         bh, tb, idx = self.block_hash, self._tok_bytes, self.hash_to_block
+        if (
+            list(map(bh.__getitem__, blocks)).count(None) == n
+            and list(map(idx.get, hashes)).count(None) == n
+            and len(set(hashes)) == n
+        ):
+            # Common case (a prefill's or decode's fresh blocks): nothing published yet,
+            # no twin, no repeated hash; in order, this is exactly the loop below.
+            toks = np.frombuffer(data, f"V{step}", n).tolist()  # one bytes object per block
+            _consume(map(bh.__setitem__, blocks, hashes))
+            _consume(map(tb.__setitem__, blocks, toks))
+            idx.update(zip(hashes, blocks))
+            self._published[np.fromiter(blocks, np.intp, n)] = True
+            return list(blocks)
         out, fresh = [], []
         for j in range(n):
             b = blocks[j]
@@ -311,6 +331,31 @@ class BlockPool:
         if fresh:
             self._published[fresh] = True
         return out
+
+    def lookup_run(self, hashes: list[bytes], token_bytes: bytes) -> list[int]:
+        """The longest leading run of :meth:`lookup_bytes` hits over ``hashes``.
+
+        ``token_bytes`` holds the run's int32 tokens, ``len(token_bytes) //
+        len(hashes)`` bytes per block. Returns the hit blocks in order; the
+        run stops at the first hash not in the index **or** whose stored
+        tokens differ (Spec §6), as a loop over ``lookup_bytes`` would.
+        """
+        n = len(hashes)
+        if n == 0:
+            return []
+        blocks = list(map(self.hash_to_block.get, hashes))
+        if None in blocks:
+            del blocks[blocks.index(None):]
+        k = len(blocks)
+        step = len(token_bytes) // n
+        tb = self._tok_bytes
+        # Spec §6: verify the stored tokens, one compare over the whole run when all agree.
+        if k and b"".join(map(tb.__getitem__, blocks)) != token_bytes[: k * step]:
+            for i, b in enumerate(blocks):
+                if tb[b] != token_bytes[i * step : (i + 1) * step]:
+                    del blocks[i:]
+                    break
+        return blocks
 
     def reset_prefix_cache(self) -> list[int]:
         """Unpublish every published block with ref count 0; returns them.

@@ -211,15 +211,7 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
         if splice:
             hashes = self._hashes_for(ctx, req.hashes)
             cap = min(len(hashes), (ctx.active_length - 1) // page)
-            hits = []
-            if cap:
-                data = _token_bytes(ctx.tokens[: cap * page])
-                step = self._page_bytes
-                for i in range(cap):
-                    b = pool.lookup_bytes(hashes[i], data[i * step : (i + 1) * step])
-                    if b is None:
-                        break
-                    hits.append(b)
+            hits = pool.lookup_run(hashes[:cap], _token_bytes(ctx.tokens[: cap * page])) if cap else []
             k = len(hits)
             have = k
             hit_arr = np.array(hits, dtype=np.int64)

@@ -130,5 +130,5 @@ def chain_sha256(parent: bytes, data: bytes, step: int, n: int) -> list[bytes]:
         return out
     out = np.empty((n, 32), np.uint8)
     _chain(np.frombuffer(parent, np.uint8), np.frombuffer(data, np.uint8), step, n, out)
-    raw = out.tobytes()
-    return [raw[i : i + 32] for i in range(0, 32 * n, 32)]
+    # One bytes object per row without a Python slice each (a V32 item converts to bytes).
+    return out.view("V32").ravel().tolist()
