@@ -192,13 +192,12 @@ class BlockPool:
         out = np.empty(n, np.int32)
         if n == 0:
             return out
-        _fl.pop_front_n(self._prev, self._next, self.ref_count, self._head, n, out)
+        evicted = np.empty(n, np.int32)
+        k = _fl.pop_front_evict(self._prev, self._next, self.ref_count, self._published, self._head, n, out,
+                                evicted)
         self._num_free -= n
-        pub = self._published[out]
-        if pub.any():
-            evicted = out[pub]
-            self._published[evicted] = False
-            ev = evicted.tolist()
+        if k:
+            ev = evicted[:k].tolist()
             bh, idx, cb = self.block_hash, self.hash_to_block, self.on_evict
             hs = list(map(bh.__getitem__, ev))
             # The index is a bijection onto the published blocks (check_invariants), so

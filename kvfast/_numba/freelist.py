@@ -12,7 +12,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["touch_many", "init_list", "pop_front_n", "free_many", "walk", "unlink", "push_front", "push_back"]
+__all__ = [
+    "touch_many", "init_list", "pop_front_n", "pop_front_evict", "free_many", "walk", "unlink", "push_front",
+    "push_back",
+]
 
 
 @njit(nogil=True, cache=True)
@@ -79,6 +82,31 @@ def pop_front_n(prev, next_, ref_count, head, n, out):
         next_[b] = -1
         ref_count[b] = 1
         out[i] = b
+
+
+@njit(nogil=True, cache=True)
+def pop_front_evict(prev, next_, ref_count, published, head, n, out, evicted):
+    """:func:`pop_front_n` that also clears ``published`` of every popped block that
+    had it and writes those blocks, in pop order, to ``evicted``; returns their number.
+
+    ``out`` and ``evicted`` are int32 ``[>= n]``; the caller checked that ``n``
+    blocks are free.
+    """
+    k = 0
+    for i in range(n):
+        b = next_[head]
+        nn = next_[b]
+        next_[head] = nn
+        prev[nn] = head
+        prev[b] = -1
+        next_[b] = -1
+        ref_count[b] = 1
+        out[i] = b
+        if published[b]:
+            published[b] = False
+            evicted[k] = b
+            k += 1
+    return k
 
 
 @njit(nogil=True, cache=True)
