@@ -228,6 +228,11 @@ class BlockPool:
             self._num_free -= 1
         self.ref_count[block] += 1
 
+    def count_free(self, blocks) -> int:
+        """How many of ``blocks`` (distinct) are on the free list (ref count 0)."""
+        arr = np.asarray(blocks, dtype=np.int64)
+        return int(np.count_nonzero(self.ref_count[arr] == 0)) if arr.size else 0
+
     def touch_many(self, blocks) -> int:
         """:meth:`touch` each of ``blocks`` (distinct, none null) in one call; returns
         how many left the free list."""
@@ -342,9 +347,14 @@ class BlockPool:
         n = len(hashes)
         if n == 0:
             return []
-        blocks = list(map(self.hash_to_block.get, hashes))
-        if None in blocks:
-            del blocks[blocks.index(None):]
+        get = self.hash_to_block.get
+        blocks: list = []
+        for s in range(0, n, 16):  # probe in chunks: few wasted probes past the first miss
+            part = list(map(get, hashes[s : s + 16]))
+            if None in part:
+                blocks += part[: part.index(None)]
+                break
+            blocks += part
         k = len(blocks)
         step = len(token_bytes) // n
         tb = self._tok_bytes

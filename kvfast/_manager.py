@@ -212,14 +212,14 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
             hashes = self._hashes_for(ctx, req.hashes)
             cap = min(len(hashes), (ctx.active_length - 1) // page)
             hits = pool.lookup_run(hashes[:cap], _token_bytes(ctx.tokens[: cap * page])) if cap else []
-            k = len(hits)
-            have = k
-            hit_arr = np.array(hits, dtype=np.int64)
-            revived = int(np.count_nonzero(pool.ref_count[hit_arr] == 0)) if k else 0
+            k = have = len(hits)
         else:
-            have, revived = len(row), 0
+            have = len(row)
         need = max(-(-ctx.current_position // page) - have, 0)
-        free = pool.num_free - revived
+        # The splice revives at most k free hits: count them exactly only when that decides.
+        free = pool.num_free - k if splice else pool.num_free
+        if need > free and splice:
+            free = pool.num_free - pool.count_free(hits)
         if need > free:
             raise InsufficientBlocksError(
                 f"alloc: request_id={ctx.request_id!r} needs {need} blocks of leaf {leaf_id!r}, "
@@ -229,7 +229,7 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
         m = self._metrics
         if splice:
             if k:
-                pool.touch_many(hit_arr)
+                pool.touch_many(hits)
                 ctx.skip_processing(k * page)
             req.rows[leaf_id] = row = hits
             req.nulled[leaf_id] = 0
