@@ -9,8 +9,10 @@ per block on the list:
   last block; batch operations (``allocate``, ``free``) run as Numba kernels
   (:mod:`kvfast._numba.freelist`);
 * ``ref_count`` is an int32 array;
-* the prefix index is a dict ``hash -> block``; each published block also
-  keeps its tokens as bytes so a hit is verified with one bytes compare.
+* the prefix index is a dict ``hash -> block``; the tokens of every
+  published block sit in one int32 table ``[num_blocks, width]`` (no Python
+  object per block: publishing, verifying a run of hits and evicting are
+  array operations).
 
 Allocation order (part of the spec, so block ids agree across backends):
 
@@ -48,22 +50,26 @@ _consume = deque(maxlen=0).extend
 
 class _TokenView:
     """``block_tokens[b]``: the int32 tokens of published block ``b`` (a read-only
-    view of its stored bytes) or None; built on read, never stored as arrays."""
+    copy of its row of the pool's token table) or None; built on read."""
 
-    __slots__ = ("_tb",)
+    __slots__ = ("_pool",)
 
-    def __init__(self, tok_bytes: list):
-        self._tb = tok_bytes
+    def __init__(self, pool: "BlockPool"):
+        self._pool = pool
 
     def __getitem__(self, block):
-        t = self._tb[block]
-        return None if t is None else np.frombuffer(t, np.int32)
+        p = self._pool
+        if not p._published[block]:
+            return None
+        t = p._tok[block, : p._tok_len[block]].copy()
+        t.flags.writeable = False
+        return t
 
     def __len__(self) -> int:
-        return len(self._tb)
+        return self._pool.num_blocks
 
     def __iter__(self):
-        return (self[b] for b in range(len(self._tb)))
+        return (self[b] for b in range(self._pool.num_blocks))
 
 
 class BlockPool:
@@ -106,9 +112,10 @@ class BlockPool:
         self.ref_count = np.zeros(n, np.int32)
         self.block_hash: list[bytes | None] = [None] * n
         self.hash_to_block: dict[bytes, int] = {}
-        #: tokens of each published block as int32 bytes (one compare per hit)
-        self._tok_bytes: list[bytes | None] = [None] * n
-        self.block_tokens = _TokenView(self._tok_bytes)
+        #: tokens of published block b: _tok[b, :_tok_len[b]] (rows of other blocks are stale)
+        self._tok = np.zeros((n, 0), np.int32)
+        self._tok_len = np.zeros(n, np.int32)
+        self.block_tokens = _TokenView(self)
         self._published = np.zeros(n, np.bool_)
         self._prev = np.empty(n + 2, np.int32)
         self._next = np.empty(n + 2, np.int32)
@@ -119,15 +126,16 @@ class BlockPool:
         """An opaque copy of the whole state (for atomic rollback and tests)."""
         return (
             self.ref_count.copy(), list(self.block_hash), dict(self.hash_to_block),
-            list(self._tok_bytes), self._published.copy(), self._prev.copy(), self._next.copy(), self._num_free,
+            (self._tok.copy(), self._tok_len.copy()), self._published.copy(), self._prev.copy(), self._next.copy(),
+            self._num_free,
         )
 
     def restore(self, snap) -> None:
         """Return to a state taken with ``snapshot``."""
         rc, bh, idx, tb, pub, prev, nxt, nfree = snap
         self.ref_count = rc.copy()
-        self.block_hash, self._tok_bytes = list(bh), list(tb)
-        self.block_tokens = _TokenView(self._tok_bytes)
+        self.block_hash = list(bh)
+        self._tok, self._tok_len = tb[0].copy(), tb[1].copy()
         self.hash_to_block = dict(idx)
         self._published, self._prev, self._next = pub.copy(), prev.copy(), nxt.copy()
         self._num_free = nfree
@@ -169,16 +177,31 @@ class BlockPool:
         if block is None:
             return None
         toks = np.asarray(tokens, dtype=np.int32)
-        if toks.ndim != 1 or self._tok_bytes[block] != toks.tobytes():
+        if toks.ndim != 1 or not self._holds(block, toks):
             return None
         return block
 
     def lookup_bytes(self, block_hash: bytes, token_bytes: bytes) -> int | None:
         """:meth:`lookup` with the tokens already as int32 little-endian bytes."""
         block = self.hash_to_block.get(block_hash)
-        if block is None or self._tok_bytes[block] != token_bytes:
+        if block is None or not self._holds(block, np.frombuffer(token_bytes, "<i4")):
             return None
         return block
+
+    def _holds(self, block: int, toks: np.ndarray) -> bool:
+        """Whether published ``block`` stores exactly the 1-D int32 ``toks``."""
+        n = toks.shape[0]
+        return int(self._tok_len[block]) == n and np.array_equal(self._tok[block, :n], toks)
+
+    def _store(self, blocks: np.ndarray, toks: np.ndarray) -> None:
+        """Write ``toks`` (int32 [len(blocks), w]) as the tokens of ``blocks``; widens the table if needed."""
+        w = toks.shape[1]
+        if w > self._tok.shape[1]:
+            grown = np.zeros((self.num_blocks, w), np.int32)
+            grown[:, : self._tok.shape[1]] = self._tok
+            self._tok = grown
+        self._tok[blocks, :w] = toks
+        self._tok_len[blocks] = w
 
     def contains_hash(self, block_hash: bytes) -> bool:
         return block_hash in self.hash_to_block
@@ -204,7 +227,6 @@ class BlockPool:
             # every evicted block's hash maps to it: drop the entries, then the slots.
             _consume(map(idx.__delitem__, hs))
             _consume(map(bh.__setitem__, ev, repeat(None)))
-            _consume(map(self._tok_bytes.__setitem__, ev, repeat(None)))
             if cb is not None:
                 for h in hs:
                     cb(h)
@@ -272,21 +294,31 @@ class BlockPool:
             raise ValueError("BlockPool.publish: block 0 is the null block")
         if self.block_hash[block] is not None:
             return block
-        toks = np.array(tokens, dtype=np.int32)
-        return self._publish(block, bytes(block_hash), toks, toks.tobytes())
+        return self._publish(block, bytes(block_hash), np.array(tokens, dtype=np.int32).ravel())
 
     def publish_bytes(self, block: int, block_hash: bytes, token_bytes: bytes) -> int:
         """:meth:`publish` with the tokens as int32 little-endian bytes."""
         if self.block_hash[block] is not None:
             return block
-        return self._publish(block, block_hash, None, token_bytes)
+        return self._publish(block, block_hash, np.frombuffer(token_bytes, "<i4"))
 
-    def _publish(self, block: int, h: bytes, toks, tb: bytes) -> int:
+    def publish_tokens(self, block: int, block_hash: bytes, tokens: np.ndarray) -> int:
+        """:meth:`publish` with ``block_hash`` as bytes and the tokens as int32 ``[w]``."""
+        if self.block_hash[block] is not None:
+            return block
+        return self._publish(block, block_hash, tokens)
+
+    def _publish(self, block: int, h: bytes, toks: np.ndarray) -> int:
         twin = self.hash_to_block.get(h)
         if twin is not None:
-            return twin if self._tok_bytes[twin] == tb else block
+            return twin if self._holds(twin, toks) else block
         self.block_hash[block] = h
-        self._tok_bytes[block] = tb
+        w = toks.shape[0]
+        if w > self._tok.shape[1]:
+            self._store(np.array([block]), toks.reshape(1, w))
+        else:
+            self._tok[block, :w] = toks
+            self._tok_len[block] = w
         self._published[block] = True
         self.hash_to_block[h] = block
         return block
@@ -300,40 +332,27 @@ class BlockPool:
         n = len(blocks)
         if n == 0:
             return []
-        step = len(data) // n
-        bh, tb, idx = self.block_hash, self._tok_bytes, self.hash_to_block
-        if (
-            list(map(bh.__getitem__, blocks)).count(None) == n
-            and list(map(idx.get, hashes)).count(None) == n
-            and len(set(hashes)) == n
-        ):
-            # Common case (a prefill's or decode's fresh blocks): nothing published yet,
-            # no twin, no repeated hash; in order, this is exactly the loop below.
-            toks = np.frombuffer(data, f"V{step}", n).tolist()  # one bytes object per block
-            _consume(map(bh.__setitem__, blocks, hashes))
-            _consume(map(tb.__setitem__, blocks, toks))
+        w = len(data) // (4 * n)
+        toks = np.frombuffer(data, "<i4", n * w).reshape(n, w)
+        bh, idx = self.block_hash, self.hash_to_block
+        arr = np.fromiter(blocks, np.int64, n)
+        if not self._published[arr].any() and list(map(idx.get, hashes)).count(None) == n:
+            # Common case (a prefill's or decode's fresh blocks): nothing published yet and
+            # no twin; unless a hash repeats within the run, this is exactly the loop below.
+            before = len(idx)
             idx.update(zip(hashes, blocks))
-            self._published[np.fromiter(blocks, np.intp, n)] = True
-            return list(blocks)
-        out, fresh = [], []
+            if len(idx) - before == n:
+                _consume(map(bh.__setitem__, blocks, hashes))
+                if w > self._tok.shape[1]:
+                    self._store(arr[:0], toks[:0])  # widen the table
+                _fl.publish_rows(self._tok, self._tok_len, self._published, arr, toks.astype(np.int32, copy=False))
+                return list(blocks)
+            for h in hashes:  # a repeated hash: undo (none was indexed before) and take the loop
+                idx.pop(h, None)
+        out = []
         for j in range(n):
             b = blocks[j]
-            if bh[b] is not None:
-                out.append(b)
-                continue
-            h = hashes[j]
-            t = data[j * step : (j + 1) * step]
-            twin = idx.get(h)
-            if twin is not None:
-                out.append(twin if tb[twin] == t else b)
-                continue
-            bh[b] = h
-            tb[b] = t
-            idx[h] = b
-            fresh.append(b)
-            out.append(b)
-        if fresh:
-            self._published[fresh] = True
+            out.append(b if bh[b] is not None else self._publish(b, hashes[j], toks[j]))
         return out
 
     def lookup_run(self, hashes: list[bytes], token_bytes: bytes) -> list[int]:
@@ -356,14 +375,16 @@ class BlockPool:
                 break
             blocks += part
         k = len(blocks)
-        step = len(token_bytes) // n
-        tb = self._tok_bytes
-        # Spec §6: verify the stored tokens, one compare over the whole run when all agree.
-        if k and b"".join(map(tb.__getitem__, blocks)) != token_bytes[: k * step]:
-            for i, b in enumerate(blocks):
-                if tb[b] != token_bytes[i * step : (i + 1) * step]:
-                    del blocks[i:]
-                    break
+        if k:
+            # Spec §6: verify the stored tokens of the whole run in one kernel call.
+            w = len(token_bytes) // (4 * n)
+            toks = np.frombuffer(token_bytes, "<i4", k * w).reshape(k, w)
+            if self._tok.shape[1] < w:
+                ok = 0
+            else:
+                ok = _fl.verify_run(self._tok, self._tok_len, np.fromiter(blocks, np.int64, k),
+                                    toks.astype(np.int32, copy=False))
+            del blocks[ok:]
         return blocks
 
     def reset_prefix_cache(self) -> list[int]:
@@ -385,7 +406,6 @@ class BlockPool:
         if self.hash_to_block.get(h) == block:
             del self.hash_to_block[h]
         self.block_hash[block] = None
-        self._tok_bytes[block] = None
         self._published[block] = False
         if self.on_evict is not None:
             self.on_evict(h)
@@ -434,7 +454,7 @@ class BlockPool:
         assert np.array_equal(pub, self._published), f"{p}: published mask disagrees with block_hash"
         for h, b in self.hash_to_block.items():
             assert self.block_hash[b] == h, f"{p}: index maps {h.hex()[:12]} to block {b} holding another hash"
-            assert self._tok_bytes[b] is not None, f"{p}: published block {b} has no tokens"
+            assert self._published[b], f"{p}: indexed block {b} is not marked published"
         assert int(pub.sum()) == len(self.hash_to_block), (
             f"{p}: {int(pub.sum())} blocks carry a hash but the index holds {len(self.hash_to_block)}"
         )

@@ -301,16 +301,18 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
     def _fill_one(self, req, ctx: TextContext, row: list[int], i: int) -> None:
         """Hash and publish row block ``i`` (a decode step just filled it; blocks before are committed)."""
         page = self._page
-        toks = ctx._tokens[i * page : (i + 1) * page]
-        tb = toks.tobytes() if _NATIVE_LE else _token_bytes(toks)
+        toks = ctx._tokens[i * page : (i + 1) * page]  # native int32: the verified tokens
         # Spec §6: the hash input goes through kvspec.hashing.tokens_to_bytes (patchable in tests).
-        hin = tb if hashing.tokens_to_bytes is _TOKENS_TO_BYTES else hashing.tokens_to_bytes(toks)
+        if _NATIVE_LE and hashing.tokens_to_bytes is _TOKENS_TO_BYTES:
+            hin = toks.tobytes()
+        else:
+            hin = hashing.tokens_to_bytes(toks)
         hashes = req.hashes
         parent = hashes[-1] if hashes else self._root(ctx.cache_salt)
         h = self._hash1(parent + hin)
         pool = self._pools[0][self._conn_leaf]
         b = row[i]
-        c = pool.publish_bytes(b, h, tb)
+        c = pool.publish_tokens(b, h, toks)
         if c != b:  # Spec §5.2: twin dedup, keep the published copy
             pool.touch(c)
             row[i] = c

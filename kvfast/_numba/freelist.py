@@ -14,7 +14,7 @@ from numba import njit
 
 __all__ = [
     "touch_many", "init_list", "pop_front_n", "pop_front_evict", "free_many", "walk", "unlink", "push_front",
-    "push_back",
+    "push_back", "verify_run", "publish_rows",
 ]
 
 
@@ -174,3 +174,34 @@ def touch_many(prev, next_, ref_count, blocks):
             revived += 1
         ref_count[b] += 1
     return revived
+
+
+@njit(nogil=True, cache=True)
+def verify_run(tok, tok_len, blocks, toks):
+    """How many leading ``blocks[i]`` store exactly ``toks[i]`` (Spec §6 hit check).
+
+    ``tok`` int32 [num_blocks, W] and ``tok_len`` int32 [num_blocks] are the
+    pool's token table; ``toks`` is int32 [len(blocks), w] with ``w <= W``.
+    """
+    w = toks.shape[1]
+    for i in range(blocks.shape[0]):
+        b = blocks[i]
+        if tok_len[b] != w:
+            return i
+        for j in range(w):
+            if tok[b, j] != toks[i, j]:
+                return i
+    return blocks.shape[0]
+
+
+@njit(nogil=True, cache=True)
+def publish_rows(tok, tok_len, published, blocks, toks):
+    """Store ``toks[i]`` as the tokens of ``blocks[i]`` and mark it published (the
+    caller indexed the hashes and widened ``tok`` to at least ``toks.shape[1]``)."""
+    w = toks.shape[1]
+    for i in range(blocks.shape[0]):
+        b = blocks[i]
+        for j in range(w):
+            tok[b, j] = toks[i, j]
+        tok_len[b] = w
+        published[b] = True
