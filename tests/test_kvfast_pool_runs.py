@@ -1,0 +1,103 @@
+"""kvfast BlockPool's batch methods (``publish_run``, ``lookup_run``, ``publish_tokens``,
+``count_free``) against a loop of kvref's per-block ``publish``/``lookup``.
+
+The state machine of ``test_kvfast_block_pool`` gains rules that call a batch
+method on the fast pool and the equivalent loop on the reference pool; its
+invariant then compares the whole state (free order, ref counts, hashes,
+index, tokens, evictions) after every rule.
+"""
+
+import numpy as np
+from hypothesis import strategies as st
+from hypothesis.stateful import precondition, rule
+from test_kvfast_block_pool import HASHES, NUM_BLOCKS, TOKENS, PoolComparison
+
+from kvfast._block_pool import BlockPool as FastPool
+
+
+def _ref_publish_run(pool, blocks, hashes, toks):
+    return [pool.publish(b, h, t) for b, h, t in zip(blocks, hashes, toks)]
+
+
+def _ref_lookup_run(pool, hashes, toks):
+    out = []
+    for h, t in zip(hashes, toks):
+        b = pool.lookup(h, t)
+        if b is None:
+            break
+        out.append(b)
+    return out
+
+
+class RunComparison(PoolComparison):
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def publish_run(self, data):
+        n = data.draw(st.integers(1, 4))
+        blocks = data.draw(st.lists(st.sampled_from(self.held), min_size=n, max_size=n))
+        hashes = data.draw(st.lists(st.sampled_from(HASHES), min_size=n, max_size=n))
+        toks = [TOKENS[i] for i in data.draw(st.lists(st.integers(0, len(TOKENS) - 1), min_size=n, max_size=n))]
+        want = _ref_publish_run(self.ref, blocks, hashes, toks)
+        got = self.fast.publish_run(blocks, hashes, b"".join(t.astype("<i4").tobytes() for t in toks))
+        assert got == want
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data(), h=st.sampled_from(HASHES), t=st.integers(0, len(TOKENS) - 1))
+    def publish_tokens(self, data, h, t):
+        b = data.draw(st.sampled_from(self.held))
+        assert self.fast.publish_tokens(b, h, TOKENS[t]) == self.ref.publish(b, h, TOKENS[t])
+
+    @rule(data=st.data())
+    def lookup_run(self, data):
+        n = data.draw(st.integers(0, 5))
+        hashes = data.draw(st.lists(st.sampled_from(HASHES), min_size=n, max_size=n))
+        toks = [TOKENS[i] for i in data.draw(st.lists(st.integers(0, len(TOKENS) - 1), min_size=n, max_size=n))]
+        got = self.fast.lookup_run(hashes, b"".join(t.astype("<i4").tobytes() for t in toks))
+        assert got == _ref_lookup_run(self.ref, hashes, toks)
+
+    @rule(data=st.data())
+    def count_free(self, data):
+        blocks = data.draw(st.lists(st.integers(1, NUM_BLOCKS - 1), unique=True, max_size=4))
+        assert self.fast.count_free(blocks) == sum(self.ref.ref_count[b] == 0 for b in blocks)
+
+
+TestRunComparison = RunComparison.TestCase
+
+
+def test_publish_run_long_chain_then_lookup_run_and_eviction():
+    f = FastPool(300)
+    blocks = f.allocate(200)
+    hashes = [i.to_bytes(4, "little") for i in range(200)]
+    toks = np.arange(200 * 16, dtype=np.int32)
+    assert f.publish_run(blocks, hashes, toks.tobytes()) == blocks
+    assert f.lookup_run(hashes, toks.tobytes()) == blocks
+    bad = toks.copy()
+    bad[37 * 16 + 5] += 1  # block 37's tokens differ: the run stops there (Spec §6)
+    assert f.lookup_run(hashes, bad.tobytes()) == blocks[:37]
+    assert np.array_equal(f.block_tokens[blocks[3]], toks[48:64])
+    f.free(blocks[::-1])
+    f.allocate(299)  # evicts every published block
+    assert f.hash_to_block == {} and f.lookup_run(hashes, toks.tobytes()) == []
+    f.check_invariants()
+
+
+def test_publish_run_repeated_hash_takes_the_loop():
+    f = FastPool(8)
+    blocks = f.allocate(3)
+    toks = np.array([[1, 2], [1, 2], [3, 4]], np.int32)
+    # the second block is a twin of the first (same hash, same tokens); the third collides
+    got = f.publish_run(blocks, [b"a", b"a", b"a"], toks.tobytes())
+    assert got == [blocks[0], blocks[0], blocks[2]]
+    assert f.hash_to_block == {b"a": blocks[0]}
+    assert f.block_hash[blocks[1]] is None and f.block_hash[blocks[2]] is None
+    f.check_invariants({b: 1 for b in blocks})
+
+
+def test_token_table_widens_for_longer_tokens():
+    f = FastPool(6)
+    a, b = f.allocate(2)
+    f.publish(a, b"x", [1, 2])
+    f.publish(b, b"y", [1, 2, 3, 4, 5])
+    assert f.lookup(b"x", [1, 2]) == a and f.lookup(b"y", [1, 2, 3, 4, 5]) == b
+    assert f.lookup(b"x", [1, 2, 0]) is None
+    assert f.block_tokens[a].tolist() == [1, 2] and not f.block_tokens[a].flags.writeable
