@@ -268,17 +268,18 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
                 "alloc must be called before the forward"
             )
         req.step_gen += 1
-        req.ext_point = False
-        req.lookup = None
-        req.lookup_pending = False
+        # Without a connector (self._fast) lookup and lookup_pending are never set, and
+        # ext_point only by the splice: clear what can be set.
+        if req.ext_point:
+            req.ext_point = False
         if not self._caching:
             return
         lo = req.committed
         hashes = req.hashes
-        n_hash = (ctx._length - 1) // page
         k = len(hashes)
-        if k == n_hash and processed // page <= lo:
+        if k == (ctx._length - 1) // page and processed // page <= lo:
             return  # decode step inside a block: nothing to hash or publish
+        n_hash = (ctx._length - 1) // page
         if n_hash == k + 1 == lo + 1 and processed // page == n_hash:
             self._fill_one(req, ctx, row, k)  # a decode step filled one block
             return
@@ -317,7 +318,7 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
             pool.touch(c)
             row[i] = c
             pool.free([b])
-        req.hashes = hashes + [h]
+        hashes.append(h)  # req.hashes is the request's own list (never shared)
         req.committed = i + 1
 
     def release(self, ctx: TextContext | str) -> None:
