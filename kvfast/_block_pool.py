@@ -48,6 +48,14 @@ NULL_BLOCK = 0
 _consume = deque(maxlen=0).extend
 
 
+def _rows(data, n: int) -> np.ndarray:
+    """Tokens of ``n`` equal blocks as int32 ``[n, w]``: from int32 little-endian bytes or an int32 array."""
+    if isinstance(data, np.ndarray):
+        return data.reshape(n, -1)
+    w = len(data) // (4 * n)
+    return np.frombuffer(data, "<i4", n * w).reshape(n, w)
+
+
 class _TokenView:
     """``block_tokens[b]``: the int32 tokens of published block ``b`` (a read-only
     copy of its row of the pool's token table) or None; built on read."""
@@ -258,7 +266,10 @@ class BlockPool:
     def touch_many(self, blocks) -> int:
         """:meth:`touch` each of ``blocks`` (distinct, none null) in one call; returns
         how many left the free list."""
-        arr = np.asarray(blocks, dtype=np.int64)
+        if type(blocks) is list:
+            arr = np.fromiter(blocks, np.int64, len(blocks))  # faster than asarray for a list of ints
+        else:
+            arr = np.asarray(blocks, dtype=np.int64)
         if arr.size == 0:
             return 0
         revived = _fl.touch_many(self._prev, self._next, self.ref_count, arr)
@@ -323,17 +334,18 @@ class BlockPool:
         self.hash_to_block[h] = block
         return block
 
-    def publish_run(self, blocks: list[int], hashes: list[bytes], data: bytes) -> list[int]:
+    def publish_run(self, blocks: list[int], hashes: list[bytes], data) -> list[int]:
         """:meth:`publish_bytes` for each ``blocks[j]`` under ``hashes[j]`` with
         tokens ``data[j*s:(j+1)*s]`` (``s = len(data) // len(blocks)``), in order.
+        ``data`` is int32 little-endian bytes or an int32 array ``[n_tokens]``.
 
         Returns the canonical block of each (itself, or an existing twin).
         """
         n = len(blocks)
         if n == 0:
             return []
-        w = len(data) // (4 * n)
-        toks = np.frombuffer(data, "<i4", n * w).reshape(n, w)
+        toks = _rows(data, n)
+        w = toks.shape[1]
         bh, idx = self.block_hash, self.hash_to_block
         arr = np.fromiter(blocks, np.int64, n)
         if not self._published[arr].any() and list(map(idx.get, hashes)).count(None) == n:
@@ -355,11 +367,12 @@ class BlockPool:
             out.append(b if bh[b] is not None else self._publish(b, hashes[j], toks[j]))
         return out
 
-    def lookup_run(self, hashes: list[bytes], token_bytes: bytes) -> list[int]:
+    def lookup_run(self, hashes: list[bytes], token_bytes) -> list[int]:
         """The longest leading run of :meth:`lookup_bytes` hits over ``hashes``.
 
-        ``token_bytes`` holds the run's int32 tokens, ``len(token_bytes) //
-        len(hashes)`` bytes per block. Returns the hit blocks in order; the
+        ``token_bytes`` holds the run's tokens, the same number per block:
+        int32 little-endian bytes, or an int32 array ``[n_tokens]`` (no
+        copy). Returns the hit blocks in order; the
         run stops at the first hash not in the index **or** whose stored
         tokens differ (Spec §6), as a loop over ``lookup_bytes`` would.
         """
@@ -377,8 +390,8 @@ class BlockPool:
         k = len(blocks)
         if k:
             # Spec §6: verify the stored tokens of the whole run in one kernel call.
-            w = len(token_bytes) // (4 * n)
-            toks = np.frombuffer(token_bytes, "<i4", k * w).reshape(k, w)
+            toks = _rows(token_bytes, n)[:k]
+            w = toks.shape[1]
             if self._tok.shape[1] < w:
                 ok = 0
             else:

@@ -60,15 +60,6 @@ def _sha256_digest(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-def _token_bytes(tokens: np.ndarray) -> bytes:
-    """Token ids (int32 [n]) as little-endian bytes: what a hit compares (Spec §6).
-
-    Deliberately not ``kvspec.hashing.tokens_to_bytes``: the hash input may be
-    patched (the conformance collision test), the verified tokens never are.
-    """
-    return np.ascontiguousarray(tokens, dtype="<i4").tobytes()
-
-
 def _chain(parent: bytes, data: bytes, step: int, n: int, hash_algo: str) -> list[bytes]:
     """``n`` chained block hashes over ``data`` (``step`` bytes per block), DESIGN §6."""
     if hash_algo == "sha256":
@@ -153,7 +144,7 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
         if k >= n:
             return have if k == n else list(have[:n])
         parent = have[-1] if have else self._root(ctx.cache_salt)
-        data = hashing.tokens_to_bytes(ctx.tokens[k * page : n * page])
+        data = hashing.tokens_to_bytes(ctx._tokens[k * page : n * page])  # Spec §6: patchable hash input
         return list(have) + _chain(parent, data, self._page_bytes, n - k, self._params.hash_algo)
 
     # ------------------------------------------------------------------ fast paths
@@ -211,7 +202,8 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
         if splice:
             hashes = self._hashes_for(ctx, req.hashes)
             cap = min(len(hashes), (ctx.active_length - 1) // page)
-            hits = pool.lookup_run(hashes[:cap], _token_bytes(ctx.tokens[: cap * page])) if cap else []
+            # Spec §6: hits are verified against the context's own int32 tokens (never the hash input).
+            hits = pool.lookup_run(hashes[:cap], ctx._tokens[: cap * page]) if cap else []
             k = have = len(hits)
         else:
             have = len(row)
@@ -289,8 +281,7 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
         if end <= lo:
             return  # nothing new filled: nothing to publish
         pool = self._pools[0][self._conn_leaf]
-        data = _token_bytes(ctx.tokens[lo * page : end * page])
-        canon = pool.publish_run(row[lo:end], hashes[lo:end], data)
+        canon = pool.publish_run(row[lo:end], hashes[lo:end], ctx._tokens[lo * page : end * page])
         for i in range(lo, end):
             c, b = canon[i - lo], row[i]
             if c != b:  # Spec §5.2: twin dedup, keep the published copy
@@ -332,7 +323,7 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
         row = req.rows[self._conn_leaf]
         if row:
             # Spec §5.4: tail first, so a chain's tail is evicted before its head.
-            self._pools[0][self._conn_leaf].free(np.array(row[::-1], dtype=np.int64))
+            self._pools[0][self._conn_leaf].free(np.fromiter(reversed(row), np.int64, len(row)))
 
     def runtime_inputs(self, batches, *, max_cache_length: int | None = None):
         """The paged-attention inputs of one forward (same contract, errors and order as the reference).
