@@ -347,20 +347,22 @@ class BlockPool:
         toks = _rows(data, n)
         w = toks.shape[1]
         bh, idx = self.block_hash, self.hash_to_block
-        arr = np.fromiter(blocks, np.int64, n)
-        if not self._published[arr].any() and list(map(idx.get, hashes)).count(None) == n:
-            # Common case (a prefill's or decode's fresh blocks): nothing published yet and
-            # no twin; unless a hash repeats within the run, this is exactly the loop below.
-            before = len(idx)
-            idx.update(zip(hashes, blocks))
-            if len(idx) - before == n:
-                _consume(map(bh.__setitem__, blocks, hashes))
-                if w > self._tok.shape[1]:
-                    self._store(arr[:0], toks[:0])  # widen the table
-                _fl.publish_rows(self._tok, self._tok_len, self._published, arr, toks.astype(np.int32, copy=False))
-                return list(blocks)
-            for h in hashes:  # a repeated hash: undo (none was indexed before) and take the loop
-                idx.pop(h, None)
+        if list(map(idx.get, hashes)).count(None) == n:
+            # Common case (a prefill's or decode's fresh blocks): no twin, and (checked
+            # below, undone if not) no block published yet, no repeated block or hash;
+            # then this is exactly the loop at the end.
+            arr = np.fromiter(blocks, np.int64, n)
+            if w > self._tok.shape[1]:
+                self._store(arr[:0], toks[:0])  # widen the table
+            if _fl.publish_rows(self._tok, self._tok_len, self._published, arr, toks.astype(np.int32, copy=False)):
+                before = len(idx)
+                idx.update(zip(hashes, blocks))
+                if len(idx) - before == n:
+                    _consume(map(bh.__setitem__, blocks, hashes))
+                    return list(blocks)
+                for h in hashes:  # a repeated hash (none was indexed before): undo
+                    idx.pop(h, None)
+                self._published[arr] = False
         out = []
         for j in range(n):
             b = blocks[j]

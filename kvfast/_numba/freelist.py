@@ -196,12 +196,22 @@ def verify_run(tok, tok_len, blocks, toks):
 
 @njit(nogil=True, cache=True)
 def publish_rows(tok, tok_len, published, blocks, toks):
-    """Store ``toks[i]`` as the tokens of ``blocks[i]`` and mark it published (the
-    caller indexed the hashes and widened ``tok`` to at least ``toks.shape[1]``)."""
+    """Store ``toks[i]`` as the tokens of ``blocks[i]`` and mark it published.
+
+    All or nothing: if some block is already published (before the call, or
+    earlier in ``blocks``), the marks set by this call are undone and False is
+    returned (token rows of unpublished blocks are don't-care). The caller
+    widened ``tok`` to at least ``toks.shape[1]`` columns.
+    """
     w = toks.shape[1]
     for i in range(blocks.shape[0]):
         b = blocks[i]
+        if published[b]:
+            for j in range(i):
+                published[blocks[j]] = False
+            return False
         for j in range(w):
             tok[b, j] = toks[i, j]
         tok_len[b] = w
         published[b] = True
+    return True
