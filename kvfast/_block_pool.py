@@ -240,6 +240,28 @@ class BlockPool:
                     cb(h)
         return out
 
+    def allocate_one(self) -> int:
+        """:meth:`allocate` of one block, returned as an int (no kernel call: a decode step's page)."""
+        if self._num_free < 1:
+            raise CapacityError(f"BlockPool.allocate: needs 1 blocks, {self._num_free} free or evictable")
+        nxt, prv, head = self._next, self._prev, self._head
+        b = int(nxt[head])
+        nn = nxt[b]
+        nxt[head] = nn
+        prv[nn] = head
+        prv[b] = -1
+        nxt[b] = -1
+        self.ref_count[b] = 1
+        self._num_free -= 1
+        if self._published[b]:  # evict, as allocate does
+            self._published[b] = False
+            h = self.block_hash[b]
+            del self.hash_to_block[h]
+            self.block_hash[b] = None
+            if self.on_evict is not None:
+                self.on_evict(h)
+        return b
+
     def allocate(self, n: int) -> list[int]:
         """Pop ``n`` blocks from the front of the free list, each with ref count 1.
 

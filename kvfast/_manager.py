@@ -173,7 +173,10 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
                         pool = self._pools[0][self._conn_leaf]
                         if need > pool.num_free:
                             return self._alloc_fast(ctx, defer_lookup)  # raises InsufficientBlocksError
-                        row.extend(pool.allocate(need))
+                        if need == 1:
+                            row.append(pool.allocate_one())
+                        else:
+                            row.extend(pool.allocate(need))
                     # Spec §6.1: input_tokens counts each forward's active tokens once.
                     if req.counted_gen == req.step_gen:
                         self._metrics.input_tokens += active - req.counted_active

@@ -1,5 +1,5 @@
 """kvfast BlockPool's batch methods (``publish_run``, ``lookup_run``, ``publish_tokens``,
-``count_free``) against a loop of kvref's per-block ``publish``/``lookup``.
+``count_free``, ``allocate_one``) against a loop of kvref's per-block ``publish``/``lookup``.
 
 The state machine of ``test_kvfast_block_pool`` gains rules that call a batch
 method on the fast pool and the equivalent loop on the reference pool; its
@@ -10,7 +10,7 @@ index, tokens, evictions) after every rule.
 import numpy as np
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
-from test_kvfast_block_pool import HASHES, NUM_BLOCKS, TOKENS, PoolComparison
+from test_kvfast_block_pool import HASHES, NUM_BLOCKS, TOKENS, PoolComparison, _call
 
 from kvfast._block_pool import BlockPool as FastPool
 
@@ -54,6 +54,14 @@ class RunComparison(PoolComparison):
         toks = [TOKENS[i] for i in data.draw(st.lists(st.integers(0, len(TOKENS) - 1), min_size=n, max_size=n))]
         got = self.fast.lookup_run(hashes, b"".join(t.astype("<i4").tobytes() for t in toks))
         assert got == _ref_lookup_run(self.ref, hashes, toks)
+
+    @rule()
+    def allocate_one(self):
+        a = _call(lambda: self.ref.allocate(1))
+        b = _call(lambda: [self.fast.allocate_one()])
+        assert a == b
+        if a[0] == "ok":
+            self.held += a[1]
 
     @rule(data=st.data())
     def count_free(self, data):
