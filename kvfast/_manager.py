@@ -284,13 +284,15 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
         if end <= lo:
             return  # nothing new filled: nothing to publish
         pool = self._pools[0][self._conn_leaf]
-        canon = pool.publish_run(row[lo:end], hashes[lo:end], ctx._tokens[lo * page : end * page])
-        for i in range(lo, end):
-            c, b = canon[i - lo], row[i]
-            if c != b:  # Spec §5.2: twin dedup, keep the published copy
-                pool.touch(c)
-                row[i] = c
-                pool.free([b])
+        mine = row[lo:end]
+        canon = pool.publish_run(mine, hashes[lo:end], ctx._tokens[lo * page : end * page])
+        if canon != mine:  # one list compare: the loop runs only when a twin exists
+            for i in range(lo, end):
+                c, b = canon[i - lo], row[i]
+                if c != b:  # Spec §5.2: twin dedup, keep the published copy
+                    pool.touch(c)
+                    row[i] = c
+                    pool.free([b])
         req.committed = end
 
     def _fill_one(self, req, ctx: TextContext, row: list[int], i: int) -> None:
@@ -319,7 +321,9 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
         """Free the request's pages, tail first, and forget it (same contract as the reference)."""
         if not self._fast or self._loads:
             return super().release(ctx)
-        req = self._req("release", ctx, allow_id=True)
+        req = self._requests.get(ctx.request_id) if type(ctx) is TextContext else None
+        if req is None or req.ctx is not ctx:
+            req = self._req("release", ctx, allow_id=True)  # raises, a request id, or a replacement context
         del self._requests[req.ctx.request_id]
         if req.dummy:
             return
