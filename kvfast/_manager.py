@@ -149,6 +149,16 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
 
     # ------------------------------------------------------------------ fast paths
 
+    def claim(self, ctx: TextContext, replica_idx: int = 0) -> None:
+        """Pin ``ctx`` to a replica with empty rows (same contract and errors as the reference)."""
+        if (
+            type(ctx) is TextContext and type(replica_idx) is int and replica_idx == 0 and self._fast
+            and ctx.request_id not in self._requests and ctx._length <= self._max_seq_len
+        ):
+            self._requests[ctx.request_id] = _ref._Request(ctx=ctx, replica=0, rows={self._conn_leaf: []})
+            return
+        super().claim(ctx, replica_idx)  # validates and raises, or claims
+
     def alloc(self, ctx: TextContext, *, defer_lookup: bool = False) -> KVTransfer:
         """Give the request the pages its next forward needs, reusing a cached prefix.
 
