@@ -1,0 +1,156 @@
+"""kvfast manager fast lanes (claim, decode alloc, step fill, release) against kvref.
+
+Each case drives both managers through the same calls and compares return
+values, exceptions (type and message), block tables, free order and metrics;
+after an exception the state must be unchanged.
+"""
+
+import numpy as np
+import pytest
+
+import kvfast
+import kvref
+from kvspec import CompletedTransfer, KVCacheParams, TextContext
+from kvspec.errors import InsufficientBlocksError
+
+PAGE = 4
+
+
+def _pair(num_blocks=12, max_seq_len=64):
+    p = KVCacheParams(page_size=PAGE, num_layers=1, kv_heads=1, head_dim=2)
+    kw = dict(num_blocks=num_blocks, max_batch_size=4, max_seq_len=max_seq_len)
+    return kvref.PagedKVCacheManager(p, **kw), kvfast.PagedKVCacheManager(p, **kw)
+
+
+def _outcome(fn):
+    try:
+        v = fn()
+        return ("ok", "CompletedTransfer" if isinstance(v, CompletedTransfer) else v)
+    except Exception as e:
+        return ("err", type(e), str(e))
+
+
+def _state(m, ctxs):
+    return (
+        [m.get_req_blocks_per_leaf(c) if m.contains(c) else None for c in ctxs],
+        m._free_order(),
+        m.get_metrics_aggregated(),
+        [(c.processed_length, c.active_length, c.cached_prefix_length) for c in ctxs],
+    )
+
+
+def _both(pair, ctx_pairs, name, *args, **kw):
+    (r, f), (rc, fc) = pair, ctx_pairs
+    a = _outcome(lambda: getattr(r, name)(rc, *args, **kw))
+    b = _outcome(lambda: getattr(f, name)(fc, *args, **kw))
+    assert a == b, (name, a, b)
+    assert _state(r, [rc]) == _state(f, [fc])
+    return a
+
+
+def _ctxs(rid, tokens):
+    return TextContext(rid, tokens), TextContext(rid, tokens)
+
+
+def test_claim_errors_match_reference():
+    pair = _pair(max_seq_len=8)
+    ok = _ctxs("a", np.arange(5))
+    assert _both(pair, ok, "claim")[0] == "ok"
+    assert _both(pair, ok, "claim")[1] is ValueError  # already claimed
+    long = _ctxs("b", np.arange(9))
+    assert _both(pair, long, "claim")[1] is ValueError  # len > max_seq_len
+    c = _ctxs("c", np.arange(3))
+    assert _both(pair, c, "claim", 1)[1] is IndexError  # replica out of range
+    assert _both(pair, c, "claim", True)[1] is TypeError  # a bool is not a replica index
+    assert _both(pair, c, "claim", np.int64(0))[0] == "ok"  # numpy ints take the reference path
+
+
+def test_decode_lifecycle_with_fills_and_growth_matches_reference():
+    pair = _pair(num_blocks=40)
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, 100, 10)
+    cs = [_ctxs(f"r{i}", prompt) for i in range(3)]  # same prompt: later ones hit the first's blocks
+    for c in cs:
+        _both(pair, c, "claim")
+        _both(pair, c, "alloc")
+        c[0].skip_processing(c[0].active_length - 1)
+        c[1].skip_processing(c[1].active_length - 1)
+        _both(pair, c, "step")
+    for t in range(13):  # crosses page boundaries: fills, publishes and grows rows
+        for c in cs:
+            _both(pair, c, "alloc")
+            c[0].update(int(t))
+            c[1].update(int(t))
+            _both(pair, c, "step")
+    for c in cs:
+        _both(pair, c, "release")
+        assert _both(pair, c, "release")[1] is ValueError  # second release
+    pair[1].check_invariants()
+
+
+def test_decode_growth_without_free_blocks_raises_and_changes_nothing():
+    pair = _pair(num_blocks=4)  # 3 usable blocks
+    c = _ctxs("a", np.arange(12))  # exactly 3 blocks
+    _both(pair, c, "claim")
+    _both(pair, c, "alloc")
+    for ctx in c:
+        ctx.skip_processing(11)
+    _both(pair, c, "step")
+    for ctx in c:
+        ctx.update(5)  # the 13th token needs a 4th block
+    out = _both(pair, c, "alloc")
+    assert out[0] == "err" and out[1] is InsufficientBlocksError
+
+
+def test_step_past_the_rows_raises_like_reference():
+    pair = _pair()
+    c = _ctxs("a", np.arange(6))
+    _both(pair, c, "claim")
+    _both(pair, c, "alloc")
+    for ctx in c:
+        ctx.skip_processing(5)
+        for t in (1, 2, 3, 4):  # processed_length 9 > 2 blocks * 4 tokens
+            ctx.update(t)
+    out = _both(pair, c, "step")
+    assert out[0] == "err" and out[1] is ValueError
+
+
+def test_release_by_request_id_and_replacement_context():
+    pair = _pair()
+    c = _ctxs("a", np.arange(9))
+    _both(pair, c, "claim")
+    _both(pair, c, "alloc")
+    r, f = pair
+    assert _outcome(lambda: r.release("a")) == _outcome(lambda: f.release("a"))
+    assert r._free_order() == f._free_order()
+    c2 = _ctxs("b", np.arange(9))
+    _both(pair, c2, "claim")
+    _both(pair, c2, "alloc")
+    fresh = _ctxs("b", np.arange(9))  # a new object for a claimed id replaces the old one (Spec §2.3)
+    _both(pair, fresh, "release")
+
+
+def test_splice_near_capacity_counts_revived_hits_exactly():
+    # The second request hits 2 free cached blocks; whether it fits depends on counting
+    # them as revived (they leave the free list) exactly.
+    pair = _pair(num_blocks=6)  # 5 usable
+    prompt = np.arange(9)  # 3 blocks, 2 hashable
+    a = _ctxs("a", prompt)
+    _both(pair, a, "claim")
+    _both(pair, a, "alloc")
+    for ctx in a:
+        ctx.skip_processing(8)
+    _both(pair, a, "step")
+    _both(pair, a, "release")  # 2 published blocks now free and cached
+    filler = _ctxs("f", np.arange(100, 104))
+    _both(pair, filler, "claim")
+    _both(pair, filler, "alloc")  # takes the unpublished free block first
+    b = _ctxs("b", np.concatenate([prompt[:8], np.arange(200, 209)]))  # 2 hits + 3 more blocks
+    _both(pair, b, "claim")
+    out = _both(pair, b, "alloc")  # needs 3 more, 4 free of which 2 are its revived hits
+    assert out[0] == "err" and out[1] is InsufficientBlocksError
+    c = _ctxs("c", np.concatenate([prompt[:8], np.arange(300, 306)]))
+    _both(pair, c, "claim")
+    assert _both(pair, c, "alloc")[0] == "ok"  # needs 2 more: fits exactly
+    assert c[1].cached_prefix_length == 8
+    pair[1].check_invariants()
