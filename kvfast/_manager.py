@@ -201,10 +201,13 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
         if not self._fast or self._loads or self._offloads:
             return super().alloc(ctx, defer_lookup=defer_lookup)
         op = "alloc"
-        req = self._req(op, ctx)
+        req = self._requests.get(ctx.request_id) if type(ctx) is TextContext else None
+        if req is None or req.ctx is not ctx:
+            req = self._req(op, ctx)  # raises, or adopts a replacement context (Spec §2.3)
         if not isinstance(defer_lookup, bool):
             raise TypeError(f"alloc: defer_lookup={defer_lookup!r}, must be a bool")
-        self._check_len(op, ctx)
+        if ctx._length > self._max_seq_len:
+            self._check_len(op, ctx)  # raises ValueError
         if req.dummy:
             return self._size_dummy(req)
         leaf_id = self._conn_leaf
