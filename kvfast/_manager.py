@@ -144,8 +144,13 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
         if k >= n:
             return have if k == n else list(have[:n])
         parent = have[-1] if have else self._root(ctx.cache_salt)
-        data = hashing.tokens_to_bytes(ctx._tokens[k * page : n * page])  # Spec §6: patchable hash input
-        return list(have) + _chain(parent, data, self._page_bytes, n - k, self._params.hash_algo)
+        toks = ctx._tokens[k * page : n * page]
+        algo = self._params.hash_algo
+        if algo == "sha256" and _sha.AVAILABLE and _NATIVE_LE and hashing.tokens_to_bytes is _TOKENS_TO_BYTES:
+            # The native int32 tokens are the hash input's bytes: the kernel reads them in place.
+            return list(have) + _sha.chain_sha256(parent, toks, self._page_bytes, n - k)
+        data = hashing.tokens_to_bytes(toks)  # Spec §6: the hash input goes through the patchable function
+        return list(have) + _chain(parent, data, self._page_bytes, n - k, algo)
 
     # ------------------------------------------------------------------ fast paths
 

@@ -31,3 +31,11 @@ def test_fallback_parent_not_32_bytes_uses_hashlib():
     got = sha.chain_sha256(b"short", data, 32, 2)
     h0 = hashlib.sha256(b"short" + data[:32]).digest()
     assert got == [h0, hashlib.sha256(h0 + data[32:]).digest()]
+
+
+def test_int32_array_input_equals_bytes_input():
+    tokens = np.arange(-40, 88, dtype=np.int32)  # 8 blocks of 16
+    root = hashing.root_hash()
+    want = sha.chain_sha256(root, tokens.astype("<i4").tobytes(), 64, 8)
+    assert sha.chain_sha256(root, tokens, 64, 8) == want
+    assert sha.chain_sha256(root[:31], tokens, 64, 2) == sha.chain_sha256(root[:31], tokens.tobytes(), 64, 2)

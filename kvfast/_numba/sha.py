@@ -109,8 +109,9 @@ def chain_sha256(parent: bytes, data: bytes, step: int, n: int) -> list[bytes]:
     ----------
     parent : bytes
         The 32-byte hash before the first block.
-    data : bytes
-        At least ``n * step`` bytes: the blocks' int32 token bytes.
+    data : bytes or numpy.ndarray
+        At least ``n * step`` bytes: the blocks' int32 token bytes (a
+        contiguous array is read in place when the Numba path is available).
     step : int
         Bytes per block (``4 * page_size``).
     n : int
@@ -122,6 +123,7 @@ def chain_sha256(parent: bytes, data: bytes, step: int, n: int) -> list[bytes]:
         ``n`` digests of 32 bytes; identical to the ``hashlib.sha256`` chain.
     """
     if _chain is None or len(parent) != 32:
+        data = bytes(data) if isinstance(data, np.ndarray) else data
         sha = hashlib.sha256
         out = []
         for i in range(n):
