@@ -110,6 +110,7 @@ class BlockPool:
         self.on_evict = on_evict
         self._head = num_blocks
         self._tail = num_blocks + 1
+        _fl.warm()
         self.reset()
 
     # ------------------------------------------------------------------ state

@@ -14,7 +14,7 @@ from numba import njit
 
 __all__ = [
     "touch_many", "init_list", "pop_front_n", "pop_front_evict", "free_many", "walk", "unlink", "push_front",
-    "push_back", "verify_run", "publish_rows",
+    "push_back", "verify_run", "publish_rows", "warm",
 ]
 
 
@@ -215,3 +215,37 @@ def publish_rows(tok, tok_len, published, blocks, toks):
         tok_len[b] = w
         published[b] = True
     return True
+
+
+_warmed = False
+
+
+def warm() -> None:
+    """Compile (or load from the disk cache) every kernel of this module once per process.
+
+    Called when the first pool is built, so a server's first request does
+    not pay the load (tens of milliseconds) inside its admission.
+    """
+    global _warmed
+    if _warmed:
+        return
+    n = 4
+    prev = np.empty(n + 2, np.int32)
+    nxt = np.empty(n + 2, np.int32)
+    rc = np.zeros(n, np.int32)
+    pub = np.zeros(n, np.bool_)
+    init_list(prev, nxt, n)
+    out = np.empty(n, np.int32)
+    ev = np.empty(n, np.int32)
+    pop_front_evict(prev, nxt, rc, pub, n, 2, out, ev)
+    pop_front_n(prev, nxt, rc, n, 1, out)
+    blocks = out[:3].astype(np.int64)
+    tok = np.zeros((n, 2), np.int32)
+    tok_len = np.zeros(n, np.int32)
+    toks = np.zeros((3, 2), np.int32)
+    publish_rows(tok, tok_len, pub, blocks, toks)
+    verify_run(tok, tok_len, blocks, toks)
+    free_many(prev, nxt, rc, pub, n, n + 1, blocks)
+    touch_many(prev, nxt, rc, blocks[:1])
+    walk(nxt, n, n + 1, out)
+    _warmed = True
