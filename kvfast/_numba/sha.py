@@ -19,6 +19,7 @@ import ctypes.util
 import hashlib
 
 import numpy as np
+from numba import njit, types
 
 __all__ = ["AVAILABLE", "chain_sha256"]
 
@@ -41,6 +42,32 @@ def _loaded_libcrypto() -> str | None:
     return ctypes.util.find_library("crypto")
 
 
+_init = types.ExternalFunction("SHA256_Init", types.int32(types.voidptr))
+_update = types.ExternalFunction("SHA256_Update", types.int32(types.voidptr, types.voidptr, types.uintp))
+_final = types.ExternalFunction("SHA256_Final", types.int32(types.voidptr, types.voidptr))
+
+
+@njit(nogil=True, cache=True)
+def _chain_kernel(parent, data, step, n, out):
+    """``out[i] = sha256(out[i-1] + data[i*step:(i+1)*step])`` with ``out[-1] = parent``.
+
+    parent : uint8 [32]; data : uint8 [>= n*step]; out : uint8 [n, 32].
+    Returns the number of failed OpenSSL calls (0). Call only after
+    :func:`_load` succeeded (it maps the library the symbols resolve in).
+    """
+    ctx = np.empty(_CTX_BYTES, np.uint8)
+    buf = np.empty(32 + step, np.uint8)
+    buf[:32] = parent
+    bad = 0
+    for i in range(n):
+        buf[32:] = data[i * step : (i + 1) * step]
+        bad += _init(ctx.ctypes.data) != 1
+        bad += _update(ctx.ctypes.data, buf.ctypes.data, 32 + step) != 1
+        bad += _final(out[i].ctypes.data, ctx.ctypes.data) != 1
+        buf[:32] = out[i]
+    return bad
+
+
 def _load():
     path = _loaded_libcrypto()
     if not path:
@@ -54,46 +81,25 @@ def _load():
         llb.load_library_permanently(path)
     except (OSError, AttributeError, RuntimeError):
         return None
-    from numba import njit, types
-
-    init = types.ExternalFunction("SHA256_Init", types.int32(types.voidptr))
-    update = types.ExternalFunction("SHA256_Update", types.int32(types.voidptr, types.voidptr, types.uintp))
-    final = types.ExternalFunction("SHA256_Final", types.int32(types.voidptr, types.voidptr))
-
-    @njit(nogil=True, cache=True)
-    def chain(parent, data, step, n, out):
-        """``out[i] = sha256(out[i-1] + data[i*step:(i+1)*step])`` with ``out[-1] = parent``.
-
-        parent : uint8 [32]; data : uint8 [>= n*step]; out : uint8 [n, 32].
-        Returns the number of failed OpenSSL calls (0).
-        """
-        ctx = np.empty(_CTX_BYTES, np.uint8)
-        buf = np.empty(32 + step, np.uint8)
-        buf[:32] = parent
-        bad = 0
-        for i in range(n):
-            buf[32:] = data[i * step : (i + 1) * step]
-            bad += init(ctx.ctypes.data) != 1
-            bad += update(ctx.ctypes.data, buf.ctypes.data, 32 + step) != 1
-            bad += final(out[i].ctypes.data, ctx.ctypes.data) != 1
-            buf[:32] = out[i]
-        return bad
-
-    # Self-test against hashlib (also compiles, or loads from the cache, now).
+    # Self-test against hashlib; it also compiles (or loads from the disk cache) both
+    # signatures used at run time (read-only bytes, writable int32 tokens viewed as bytes),
+    # so no request pays for it.
     try:
         parent = hashlib.sha256(b"kvfast").digest()
         data = bytes(range(256)) * 2
-        out = np.empty((4, 32), np.uint8)
-        if chain(np.frombuffer(parent, np.uint8), np.frombuffer(data, np.uint8), 64, 4, out):
-            return None
-        want = parent
-        for i in range(4):
-            want = hashlib.sha256(want + data[i * 64 : (i + 1) * 64]).digest()
-            if out[i].tobytes() != want:
+        p8 = np.frombuffer(parent, np.uint8)
+        for d8 in (np.frombuffer(data, np.uint8), np.frombuffer(data, np.uint8).copy()):
+            out = np.empty((4, 32), np.uint8)
+            if _chain_kernel(p8, d8, 64, 4, out):
                 return None
+            want = parent
+            for i in range(4):
+                want = hashlib.sha256(want + data[i * 64 : (i + 1) * 64]).digest()
+                if out[i].tobytes() != want:
+                    return None
     except Exception:  # pragma: no cover - a broken libcrypto: keep hashlib
         return None
-    return chain
+    return _chain_kernel
 
 
 _chain = _load()
@@ -131,6 +137,7 @@ def chain_sha256(parent: bytes, data: bytes, step: int, n: int) -> list[bytes]:
             out.append(parent)
         return out
     out = np.empty((n, 32), np.uint8)
-    _chain(np.frombuffer(parent, np.uint8), np.frombuffer(data, np.uint8), step, n, out)
+    d8 = data.view(np.uint8) if isinstance(data, np.ndarray) else np.frombuffer(data, np.uint8)
+    _chain(np.frombuffer(parent, np.uint8), d8, step, n, out)
     # One bytes object per row without a Python slice each (a V32 item converts to bytes).
     return out.view("V32").ravel().tolist()
