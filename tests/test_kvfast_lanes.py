@@ -6,7 +6,6 @@ after an exception the state must be unchanged.
 """
 
 import numpy as np
-import pytest
 
 import kvfast
 import kvref

@@ -235,11 +235,11 @@ def warm() -> None:
     rc = np.zeros(n, np.int32)
     pub = np.zeros(n, np.bool_)
     init_list(prev, nxt, n)
-    out = np.empty(n, np.int32)
-    ev = np.empty(n, np.int32)
-    pop_front_evict(prev, nxt, rc, pub, n, 2, out, ev)
-    pop_front_n(prev, nxt, rc, n, 1, out)
-    blocks = out[:3].astype(np.int64)
+    out = np.zeros(n, np.int32)
+    ev = np.zeros(n, np.int32)
+    pop_front_evict(prev, nxt, rc, pub, n, 2, out, ev)  # blocks 1, 2
+    pop_front_n(prev, nxt, rc, n, 1, out[2:])  # block 3
+    blocks = np.array([1, 2, 3], np.int64)  # every block the pops handed out
     tok = np.zeros((n, 2), np.int32)
     tok_len = np.zeros(n, np.int32)
     toks = np.zeros((3, 2), np.int32)
