@@ -109,3 +109,16 @@ def test_token_table_widens_for_longer_tokens():
     assert f.lookup(b"x", [1, 2]) == a and f.lookup(b"y", [1, 2, 3, 4, 5]) == b
     assert f.lookup(b"x", [1, 2, 0]) is None
     assert f.block_tokens[a].tolist() == [1, 2] and not f.block_tokens[a].flags.writeable
+
+
+def test_warm_sequence_stays_in_bounds(monkeypatch):
+    # The kernels run without bounds checks; their Python originals raise IndexError on a
+    # stray index, so the warm-up sequence is replayed through them.
+    from kvfast._numba import freelist as fl
+
+    for name in ("init_list", "pop_front_evict", "pop_front_n", "publish_rows", "verify_run", "free_many",
+                 "touch_many", "walk"):
+        monkeypatch.setattr(fl, name, getattr(fl, name).py_func)
+    monkeypatch.setattr(fl, "_warmed", False)
+    fl.warm()
+    assert fl._warmed
