@@ -137,16 +137,7 @@ class KVCache(_ref.KVCache):
             ``device="cuda"`` without CuPy or a visible GPU.
         """
         api = "KVCache.make"
-        if not isinstance(config, KVCacheConfig):
-            raise TypeError(f"{api}: config={config!r}, must be a KVCacheConfig")
-        if isinstance(layer_specs, (str, bytes)) or not hasattr(layer_specs, "__len__"):
-            raise TypeError(f"{api}: layer_specs={layer_specs!r}, must be a sequence of KVLayerSpec")
-        specs = tuple(layer_specs)
-        for i, spec in enumerate(specs):
-            if not isinstance(spec, KVLayerSpec):
-                raise TypeError(f"{api}: layer_specs[{i}]={spec!r}, must be a KVLayerSpec")
-        if len(specs) != config.num_layers:
-            raise ValueError(f"{api}: len(layer_specs)={len(specs)} != config.num_layers={config.num_layers}")
+        specs = _ref.check_make_args(api, config, layer_specs)
         kind, dev = parse_device(api, config.device)
         xp = require_cuda(api, dev) if kind == "cuda" else None
         self = object.__new__(cls)

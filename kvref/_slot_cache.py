@@ -162,6 +162,33 @@ def build_step_indices(
 # ---------------------------------------------------------------------- the cache
 
 
+
+def check_make_args(api: str, config, layer_specs) -> tuple[KVLayerSpec, ...]:
+    """Validate ``make``'s arguments (shared by every backend's ``make``); returns the specs as a tuple.
+
+    Raises ``TypeError`` for a wrong type and ``ValueError`` for a wrong count
+    or cross-attention layers of different ``max_enc_len``.
+    """
+    if not isinstance(config, KVCacheConfig):
+        raise TypeError(f"{api}: config={config!r}, must be a KVCacheConfig")
+    if isinstance(layer_specs, (str, bytes)) or not hasattr(layer_specs, "__len__"):
+        raise TypeError(f"{api}: layer_specs={layer_specs!r}, must be a sequence of KVLayerSpec")
+    specs = tuple(layer_specs)
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, KVLayerSpec):
+            raise TypeError(f"{api}: layer_specs[{i}]={spec!r}, must be a KVLayerSpec")
+    if len(specs) != config.num_layers:
+        raise ValueError(f"{api}: len(layer_specs)={len(specs)} != config.num_layers={config.num_layers}")
+    # Spec §8.16: one encoder length per slot, so every cross layer has the same max_enc_len.
+    cross = [(i, sp.max_enc_len) for i, sp in enumerate(specs) if sp.kind is LayerKind.CROSS_ATTENTION]
+    for i, m in cross[1:]:
+        if m != cross[0][1]:
+            raise ValueError(
+                f"{api}: layer_specs[{i}].max_enc_len={m} but layer_specs[{cross[0][0]}].max_enc_len="
+                f"{cross[0][1]}; cross-attention layers share one encoder length per slot"
+            )
+    return specs
+
 class KVCache:
     """Slot-indexed serving KV cache, contiguous or paged (DESIGN §4).
 
@@ -221,16 +248,7 @@ class KVCache:
             Wrong number of layer specs, or a non-CPU device.
         """
         api = "KVCache.make"
-        if not isinstance(config, KVCacheConfig):
-            raise TypeError(f"{api}: config={config!r}, must be a KVCacheConfig")
-        if isinstance(layer_specs, (str, bytes)) or not hasattr(layer_specs, "__len__"):
-            raise TypeError(f"{api}: layer_specs={layer_specs!r}, must be a sequence of KVLayerSpec")
-        specs = tuple(layer_specs)
-        for i, spec in enumerate(specs):
-            if not isinstance(spec, KVLayerSpec):
-                raise TypeError(f"{api}: layer_specs[{i}]={spec!r}, must be a KVLayerSpec")
-        if len(specs) != config.num_layers:
-            raise ValueError(f"{api}: len(layer_specs)={len(specs)} != config.num_layers={config.num_layers}")
+        specs = check_make_args(api, config, layer_specs)
         # Spec §1: kvref is pure NumPy; CUDA storage is kvfast's.
         if parse_device(api, config.device)[0] != "cpu":
             raise ValueError(f"{api}: config.device={config.device!r}, kvref stores on 'cpu' only (use kvfast)")

@@ -197,3 +197,17 @@ def test_make_errors():
         KVCache.make(KVCacheConfig(1, 2, 8, PAGED, device="cuda:0"), [KVLayerSpec.attention(1, 2)])
     with pytest.raises(TypeError, match=r"KVCache\.make"):
         KVCache(cfg, [])
+
+
+@pytest.mark.parametrize("pkg", ["kvref", "kvfast"])
+def test_make_refuses_cross_layers_of_different_max_enc_len(pkg):
+    # spec/slot-cache.md §8.16: one encoder length per slot, so cross layers share max_enc_len
+    import importlib
+
+    from kvspec import KVCacheConfig, KVCacheMode, KVLayerSpec
+
+    mod = importlib.import_module(pkg)
+    cfg = KVCacheConfig(3, 2, 8, KVCacheMode.PAGED, block_size=2)
+    specs = [KVLayerSpec.cross_attention(1, 2, 3), KVLayerSpec.attention(1, 2), KVLayerSpec.cross_attention(1, 2, 1)]
+    with pytest.raises(ValueError, match=r"layer_specs\[2\]\.max_enc_len=1 but layer_specs\[0\]\.max_enc_len=3"):
+        mod.KVCache.make(cfg, specs)
