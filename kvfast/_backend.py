@@ -60,7 +60,7 @@ def conformance_backend() -> Backend:
         if cupy.cuda.runtime.getDeviceCount() > 0:
             devices = ("cpu", "cuda:0")
     except Exception:
-        pass
+        pass  # no CuPy or no visible GPU: the backend declares the CPU only
     return Backend(
         name="kvfast",
         version=__version__,

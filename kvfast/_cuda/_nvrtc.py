@@ -53,7 +53,7 @@ def _candidates() -> list[str]:
             out += sorted(glob.glob(os.path.join(root, "lib", "libnvrtc.so*")))
             out += sorted(glob.glob(os.path.join(root, "bin", "nvrtc64_*.dll")))
     except ImportError:
-        pass
+        pass  # deliberately nothing: fall through to the default below
     out += ["libnvrtc.so.12", "libnvrtc.so"]
     # The loader only finds libnvrtc-builtins next to libnvrtc if it is on the path.
     return [p for p in out if "builtins" not in p and ".alt." not in p]

@@ -38,7 +38,7 @@ def _loaded_libcrypto() -> str | None:
                 if "libcrypto" in path:
                     return path
     except OSError:
-        pass
+        pass  # no /proc maps (not Linux): fall back to the loader's search below
     return ctypes.util.find_library("crypto")
 
 

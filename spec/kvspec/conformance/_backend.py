@@ -220,3 +220,27 @@ def resolve_backend(spec: str | None = None) -> Backend:
     if not isinstance(backend, Backend):
         raise TypeError(f"resolve_backend: {target} returned {type(backend).__name__}, must return a kvspec.conformance.Backend")
     return backend
+
+
+class BackendBound:
+    """Mixin of the comparison state machines: ``for_backend`` binds a backend
+    (and the ``kvref`` oracle) into a runnable subclass; the unbound class refuses to run."""
+
+    backend: Backend | None = None
+    oracle: Backend | None = None
+
+    @classmethod
+    def for_backend(cls, backend: Backend, oracle: Backend | None = None) -> type:
+        """A runnable subclass bound to ``backend`` (and ``oracle``, default kvref)."""
+        if not isinstance(backend, Backend):
+            raise TypeError(f"{cls.__name__}.for_backend: backend={backend!r}, must be a kvspec.conformance.Backend")
+        if oracle is None:
+            import kvref
+
+            oracle = kvref.conformance_backend()
+        return type(f"{cls.__name__}_{backend.name}", (cls,), {"backend": backend, "oracle": oracle})
+
+    def _require_backend(self) -> None:
+        if self.backend is None:
+            name = type(self).__name__
+            raise TypeError(f"{name}: use {name}.for_backend(backend)")

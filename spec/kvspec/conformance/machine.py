@@ -27,7 +27,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 
 from .. import strategies as kst
 from .._config import KVCacheMode, LayerKind
-from ._backend import Backend
+from ._backend import Backend, BackendBound
 from ._compare import assert_same, assert_same_outcome, capture, config_source, data_ptr, specs_source, to_numpy
 
 __all__ = ["KVCacheComparison", "scatter_kv", "cache_snapshot", "live_kv"]
@@ -93,7 +93,7 @@ def cache_snapshot(cache, specs, *, free_order: bool) -> dict:
     return snap
 
 
-class KVCacheComparison(RuleBasedStateMachine):
+class KVCacheComparison(BackendBound, RuleBasedStateMachine):
     """Differential state machine: the backend's ``KVCache`` against ``kvref.KVCache``.
 
     Attributes
@@ -104,25 +104,10 @@ class KVCacheComparison(RuleBasedStateMachine):
         ``kvref.conformance_backend()`` unless given.
     """
 
-    backend: Backend | None = None
-    oracle: Backend | None = None
-
     prompts = Bundle("prompts")
 
-    @classmethod
-    def for_backend(cls, backend: Backend, oracle: Backend | None = None) -> type:
-        """A runnable subclass bound to ``backend`` (and ``oracle``, default kvref)."""
-        if not isinstance(backend, Backend):
-            raise TypeError(f"KVCacheComparison.for_backend: backend={backend!r}, must be a kvspec.conformance.Backend")
-        if oracle is None:
-            import kvref
-
-            oracle = kvref.conformance_backend()
-        return type(f"KVCacheComparison_{backend.name}", (cls,), {"backend": backend, "oracle": oracle})
-
     def __init__(self):
-        if self.backend is None:
-            raise TypeError("KVCacheComparison: use KVCacheComparison.for_backend(backend)")
+        self._require_backend()
         super().__init__()
         self.ref = self.sut = None
         self.step = None

@@ -23,7 +23,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invar
 
 from .. import strategies as kst
 from .._manager_types import DEFAULT_LEAF_ID, TextContext
-from ._backend import Backend
+from ._backend import Backend, BackendBound
 from ._compare import assert_same, assert_same_outcome, capture, params_source, to_numpy
 
 __all__ = ["ManagerComparison", "write_forward", "manager_snapshot", "context_state"]
@@ -92,7 +92,7 @@ def manager_snapshot(manager, contexts, *, strict: bool) -> dict:
     return snap
 
 
-class ManagerComparison(RuleBasedStateMachine):
+class ManagerComparison(BackendBound, RuleBasedStateMachine):
     """Differential state machine: the backend's manager against ``kvref.PagedKVCacheManager``.
 
     Attributes
@@ -103,25 +103,10 @@ class ManagerComparison(RuleBasedStateMachine):
         ``kvref.conformance_backend()`` unless given.
     """
 
-    backend: Backend | None = None
-    oracle: Backend | None = None
-
     prompts = Bundle("prompts")
 
-    @classmethod
-    def for_backend(cls, backend: Backend, oracle: Backend | None = None) -> type:
-        """A runnable subclass bound to ``backend`` (and ``oracle``, default kvref)."""
-        if not isinstance(backend, Backend):
-            raise TypeError(f"ManagerComparison.for_backend: backend={backend!r}, must be a kvspec.conformance.Backend")
-        if oracle is None:
-            import kvref
-
-            oracle = kvref.conformance_backend()
-        return type(f"ManagerComparison_{backend.name}", (cls,), {"backend": backend, "oracle": oracle})
-
     def __init__(self):
-        if self.backend is None:
-            raise TypeError("ManagerComparison: use ManagerComparison.for_backend(backend)")
+        self._require_backend()
         super().__init__()
         self.ref = self.sut = None
         self.ctx_ref: dict[str, TextContext] = {}
