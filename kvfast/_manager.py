@@ -415,22 +415,9 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
                 if n > need:
                     need = n
             rows_per_batch.append((rows, widths))
-        # (4)
-        if max_cache_length is not None:
-            if max_cache_length < 1:
-                raise ValueError(f"{op}: max_cache_length={max_cache_length}, must be >= 1")
-            cols_from = -(-max_cache_length // page)
-            if cols_from < need:
-                raise ValueError(f"{op}: max_cache_length={max_cache_length} gives {cols_from} blocks < {need} "
-                                 "the batch needs; capture max_cache_length cannot be smaller than the batch's")
-            need = cols_from
-        # (5)
-        for r, batch in enumerate(batches):
-            if len(batch) > self._max_batch_size:
-                raise ValueError(f"{op}: len(batches[{r}])={len(batch)} > max_batch_size={self._max_batch_size}")
+        cols = _ref.lut_columns(op, need, page, max_cache_length, batches, self._max_batch_size)  # (4), (5)
 
-        self._post_offloads()  # Spec §8.2: queued offloads are posted before the forward
-        cols = _ref.LUT_ALIGN * max(1, -(-need // _ref.LUT_ALIGN))
+        self._post_offloads()  # Spec §9.2: queued offloads are posted before the forward
         out = []
         for r, batch in enumerate(batches):
             rows, widths = rows_per_batch[r]

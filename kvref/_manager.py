@@ -104,6 +104,29 @@ class _Request:
         return c
 
 
+
+def lut_columns(op: str, need: int, page: int, max_cache_length, batches, max_batch_size: int) -> int:
+    """Checks (4) and (5) of ``runtime_inputs`` (spec/manager.md §8), then the lookup-table width.
+
+    ``need`` is the most blocks a context of the batch requires; returns it, or
+    ``ceil(max_cache_length / page)`` when given, rounded up to a multiple of
+    ``LUT_ALIGN`` (at least ``LUT_ALIGN``). Raises ``ValueError``.
+    """
+    # (4)
+    if max_cache_length is not None:
+        if max_cache_length < 1:
+            raise ValueError(f"{op}: max_cache_length={max_cache_length}, must be >= 1")
+        cols_from = math.ceil(max_cache_length / page)
+        if cols_from < need:
+            raise ValueError(f"{op}: max_cache_length={max_cache_length} gives {cols_from} blocks < {need} "
+                             "the batch needs; capture max_cache_length cannot be smaller than the batch's")
+        need = cols_from
+    # (5)
+    for r, batch in enumerate(batches):
+        if len(batch) > max_batch_size:
+            raise ValueError(f"{op}: len(batches[{r}])={len(batch)} > max_batch_size={max_batch_size}")
+    return LUT_ALIGN * max(1, math.ceil(need / LUT_ALIGN))
+
 def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
@@ -1267,22 +1290,9 @@ class PagedKVCacheManager:
                             f"{lid!r} ({len(row) * page} tokens) < current_position={c.current_position}; "
                             "it does not have sufficient blocks, alloc must be called first")
         need = max((self._required_blocks(c) for b in batches for c in b), default=0)
-        # (4)
-        if max_cache_length is not None:
-            if max_cache_length < 1:
-                raise ValueError(f"{op}: max_cache_length={max_cache_length}, must be >= 1")
-            cols_from = math.ceil(max_cache_length / page)
-            if cols_from < need:
-                raise ValueError(f"{op}: max_cache_length={max_cache_length} gives {cols_from} blocks < {need} "
-                                 "the batch needs; capture max_cache_length cannot be smaller than the batch's")
-            need = cols_from
-        # (5)
-        for r, batch in enumerate(batches):
-            if len(batch) > self._max_batch_size:
-                raise ValueError(f"{op}: len(batches[{r}])={len(batch)} > max_batch_size={self._max_batch_size}")
+        cols = lut_columns(op, need, page, max_cache_length, batches, self._max_batch_size)  # checks (4), (5)
 
         self._post_offloads()  # Spec §9.2: queued offloads are posted before the forward
-        cols = LUT_ALIGN * max(1, math.ceil(need / LUT_ALIGN))
         out = []
         for r, batch in enumerate(batches):
             per = {}
