@@ -50,12 +50,12 @@ import json
 import os
 import re
 import struct
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
+
+from ._tier_index import EntryIndex
 
 __all__ = [
     "DiskTier",
@@ -195,7 +195,7 @@ class WarmStart:
     evicted: int = 0
 
 
-class DiskTier:
+class DiskTier(EntryIndex):
     """Block files under ``root`` within ``capacity`` bytes, LRU by use.
 
     Parameters
@@ -220,7 +220,7 @@ class DiskTier:
         self.page_bytes = page_bytes
         self.file_bytes = header_len(page_size) + page_bytes
         self.used = 0
-        self._index: OrderedDict[bytes, DiskEntry] = OrderedDict()
+        super().__init__()
         self._digest_hex = 2 * (16 if hash_algo == "xxh3_128" else 32)
         self._name_re = re.compile(rf"^([0-9a-f]{{{self._digest_hex}}}){re.escape(BLOCK_SUFFIX)}$")
 
@@ -362,22 +362,6 @@ class DiskTier:
 
     # ------------------------------------------------------------------ index
 
-    def get(self, block_hash: bytes, tokens: np.ndarray) -> DiskEntry | None:
-        """The ready entry of ``block_hash`` whose indexed tokens equal ``tokens``."""
-        e = self._index.get(block_hash)
-        if e is None or e.dead or e.state != "ready":
-            return None
-        if not np.array_equal(e.tokens, tokens):
-            return None
-        return e
-
-    def has_entry(self, block_hash: bytes) -> bool:
-        return block_hash in self._index
-
-    def ready_hashes(self) -> list[bytes]:
-        """Hashes of the hittable files, least recently used first (for tests)."""
-        return [h for h, e in self._index.items() if e.state == "ready" and not e.dead]
-
     def reserve(self, block_hash: bytes, tokens: np.ndarray) -> DiskEntry | None:
         """Reserve ``file_bytes`` for a new file (state ``writing``), evicting
         least recently used unpinned files; None if the hash already has an
@@ -387,12 +371,11 @@ class DiskTier:
         need = self.used + self.file_bytes - self.capacity
         if need > 0:
             victims, freed = [], 0
-            for e in self._index.values():
+            for e in self._evictable():
                 if freed >= need:
                     break
-                if e.state == "ready" and e.pins == 0 and not e.dead:
-                    victims.append(e)
-                    freed += e.size
+                victims.append(e)
+                freed += e.size
             if freed < need:
                 return None
             for e in victims:
@@ -402,24 +385,9 @@ class DiskTier:
         self.used += entry.size
         return entry
 
-    def commit(self, entry: DiskEntry) -> None:
-        if entry.dead:
-            self._drop(entry)
-            return
-        entry.state = "ready"
-        self._index.move_to_end(entry.block_hash)
-
     def abort(self, entry: DiskEntry) -> None:
         """A write failed (its temp file is gone): release the reservation."""
         self._release(entry)
-
-    def pin(self, entry: DiskEntry) -> None:
-        entry.pins += 1
-
-    def unpin(self, entry: DiskEntry) -> None:
-        entry.pins -= 1
-        if entry.pins == 0 and entry.dead:
-            self._drop(entry)
 
     def reject(self, entry: DiskEntry) -> None:
         """A read found the file bad: forget it; the file goes when unpinned."""
@@ -427,18 +395,8 @@ class DiskTier:
         if entry.pins == 0:
             self._drop(entry)
 
-    def touch(self, hashes: Iterable[bytes]) -> None:
-        for h in hashes:
-            e = self._index.get(h)
-            if e is not None and not e.dead:
-                self._index.move_to_end(h)
-
-    def clear(self) -> None:
-        """Forget every file and delete it (now, or when its pin or write ends)."""
-        for e in list(self._index.values()):
-            e.dead = True
-            if e.pins == 0 and e.state == "ready":
-                self._drop(e)
+    def _discard(self, entry: DiskEntry) -> None:
+        self._drop(entry)
 
     def _drop(self, entry: DiskEntry) -> None:
         """Release an entry and delete its file (under the connector's lock, so

@@ -25,11 +25,11 @@ state (``writing``) or by pins.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import numpy as np
+
+from ._tier_index import EntryIndex
 
 __all__ = ["HostTier", "HostEntry"]
 
@@ -56,7 +56,7 @@ class Evicted:
     data: np.ndarray | None = field(default=None)
 
 
-class HostTier:
+class HostTier(EntryIndex):
     """Fixed arena of ``num_slots`` slots of ``page_bytes`` bytes, LRU by use.
 
     Parameters
@@ -74,27 +74,9 @@ class HostTier:
         self.arena = np.zeros((num_slots, page_bytes), dtype=np.uint8)
         # pop() hands out the lowest slot first
         self._free_slots: list[int] = list(range(num_slots - 1, -1, -1))
-        self._index: OrderedDict[bytes, HostEntry] = OrderedDict()
+        super().__init__()
 
     # ------------------------------------------------------------------ queries
-
-    def get(self, block_hash: bytes, tokens: np.ndarray) -> HostEntry | None:
-        """The ready entry of ``block_hash`` whose stored tokens equal ``tokens``."""
-        e = self._index.get(block_hash)
-        if e is None or e.dead or e.state != "ready":
-            return None
-        # DESIGN §6: a hash is a key, never a proof; the stored tokens must match.
-        if not np.array_equal(e.tokens, tokens):
-            return None
-        return e
-
-    def has_entry(self, block_hash: bytes) -> bool:
-        """True while ``block_hash`` has any entry (ready, writing or dead)."""
-        return block_hash in self._index
-
-    def ready_hashes(self) -> list[bytes]:
-        """Hashes of the hittable entries, least recently used first (for tests)."""
-        return [h for h, e in self._index.items() if e.state == "ready" and not e.dead]
 
     @property
     def used_slots(self) -> int:
@@ -113,9 +95,7 @@ class HostTier:
             return None, []
         evicted: list[Evicted] = []
         if not self._free_slots:
-            victim = next(
-                (e for e in self._index.values() if e.state == "ready" and e.pins == 0 and not e.dead), None
-            )
+            victim = next(self._evictable(), None)
             if victim is None:
                 return None, []
             data = self.arena[victim.slot].copy() if copy_evicted else None
@@ -126,41 +106,12 @@ class HostTier:
         self._index[entry.block_hash] = entry
         return entry, evicted
 
-    def commit(self, entry: HostEntry) -> None:
-        """The slot bytes of a ``writing`` entry landed: make it hittable (or
-        release it if it was forgotten meanwhile)."""
-        if entry.dead:
-            self._release(entry)
-            return
-        entry.state = "ready"
-        self._index.move_to_end(entry.block_hash)
-
     def abort(self, entry: HostEntry) -> None:
         """Give up a ``writing`` entry: its slot returns to the free list."""
         self._release(entry)
 
-    def pin(self, entry: HostEntry) -> None:
-        entry.pins += 1
-
-    def unpin(self, entry: HostEntry) -> None:
-        entry.pins -= 1
-        if entry.pins == 0 and entry.dead:
-            self._release(entry)
-
-    def touch(self, hashes: Iterable[bytes]) -> None:
-        """Make the given hashes most recently used, in the order given (the
-        last one ends up most recent)."""
-        for h in hashes:
-            e = self._index.get(h)
-            if e is not None and not e.dead:
-                self._index.move_to_end(h)
-
-    def clear(self) -> None:
-        """Forget every entry; slots still read or written are released later."""
-        for e in list(self._index.values()):
-            e.dead = True
-            if e.pins == 0 and e.state == "ready":
-                self._release(e)
+    def _discard(self, entry: HostEntry) -> None:
+        self._release(entry)
 
     def _release(self, entry: HostEntry) -> None:
         if self._index.get(entry.block_hash) is entry:
