@@ -94,7 +94,7 @@ class LeafSpec:
 _PARAM_FIELDS = (
     "page_size", "num_layers", "kv_heads", "head_dim", "dtype", "data_parallel_degree",
     "enable_prefix_caching", "hash_algo", "hash_seed", "host_offload_bytes",
-    "disk_offload_bytes", "disk_offload_dir",
+    "disk_offload_bytes", "disk_offload_dir", "model_id", "allocate_buffers",
 )
 
 
@@ -120,6 +120,16 @@ class KVCacheParams:
         ``TieredConnector`` when either is non-zero.
     disk_offload_dir : str, optional
         Directory of the disk tier.
+    model_id : str
+        Identity of the model whose K/V the pages hold (name plus revision,
+        e.g. ``"meta-llama/Llama-3.1-8B@main"``). Mixed into what every tier
+        keys and verifies, so two models of the same geometry never share a
+        block through any tier (spec/tiers.md). ``""`` means unnamed.
+    allocate_buffers : bool
+        ``False`` runs the whole policy (allocation, hits, eviction, tier
+        accounting) without allocating K/V bytes (bookkeeping-only mode, as
+        MAX's ``allocate_buffers``); calls that need the bytes raise
+        ``RuntimeError``.
     """
 
     __slots__ = tuple("_" + f for f in _PARAM_FIELDS) + ("_leaves",)
@@ -139,6 +149,8 @@ class KVCacheParams:
         host_offload_bytes: int = 0,
         disk_offload_bytes: int = 0,
         disk_offload_dir: str | None = None,
+        model_id: str = "",
+        allocate_buffers: bool = True,
     ):
         o = "KVCacheParams"
         check_int(o, "page_size", page_size, low=1)
@@ -156,6 +168,12 @@ class KVCacheParams:
         check_int(o, "disk_offload_bytes", disk_offload_bytes, low=0)
         if disk_offload_bytes and not disk_offload_dir:
             raise ValueError(f"{o}: disk_offload_bytes={disk_offload_bytes} needs disk_offload_dir")
+        if not isinstance(model_id, str):
+            raise TypeError(f"{o}: model_id={model_id!r}, must be a str")
+        if len(model_id.encode("utf-8", "surrogatepass")) > 1024:
+            raise ValueError(f"{o}: model_id has {len(model_id.encode('utf-8', 'surrogatepass'))} UTF-8 bytes, must be <= 1024")
+        if not isinstance(allocate_buffers, bool):
+            raise TypeError(f"{o}: allocate_buffers={allocate_buffers!r}, must be a bool")
         if leaves is None:
             leaf_map = {DEFAULT_LEAF_ID: LeafSpec.full()}
         else:
@@ -175,7 +193,7 @@ class KVCacheParams:
             _PARAM_FIELDS,
             (page_size, num_layers, kv_heads, head_dim, dtype_name(dtype), data_parallel_degree,
              enable_prefix_caching, hash_algo, hash_seed, host_offload_bytes, disk_offload_bytes,
-             disk_offload_dir),
+             disk_offload_dir, model_id, allocate_buffers),
         ):
             object.__setattr__(self, "_" + name, int(value) if isinstance(value, np.integer) else value)
 
@@ -194,6 +212,8 @@ class KVCacheParams:
     host_offload_bytes = property(lambda self: self._host_offload_bytes)
     disk_offload_bytes = property(lambda self: self._disk_offload_bytes)
     disk_offload_dir = property(lambda self: self._disk_offload_dir)
+    model_id = property(lambda self: self._model_id)
+    allocate_buffers = property(lambda self: self._allocate_buffers)
 
     def leaves(self) -> dict[str, LeafSpec]:
         """``{leaf_id: LeafSpec}`` in declaration order (a copy)."""
