@@ -47,6 +47,10 @@ class PageStore(Protocol):
     def write(self, block_ids: Sequence[int], data: np.ndarray) -> None:
         """Overwrite the pages ``block_ids`` with ``data``: uint8 ``[n, page_nbytes]``."""
 
+    def alloc_host(self, num_pages: int) -> np.ndarray:
+        """Host memory for ``num_pages`` pages, uint8 ``[num_pages, page_nbytes]``, zeroed,
+        suited to this store's transfers (pinned on a GPU). The host tier's arena."""
+
 
 class HostPageStore:
     """A ``PageStore`` over a C-contiguous NumPy buffer ``[num_pages, ...]``.
@@ -81,6 +85,9 @@ class HostPageStore:
     def write(self, block_ids: Sequence[int], data: np.ndarray) -> None:
         ids = np.asarray(block_ids, dtype=np.int64)
         self._pages[ids] = np.asarray(data, dtype=np.uint8).reshape(len(ids), self.page_nbytes)
+
+    def alloc_host(self, num_pages: int) -> np.ndarray:
+        return np.zeros((int(num_pages), self.page_nbytes), dtype=np.uint8)
 
     def __repr__(self) -> str:
         return f"HostPageStore(num_pages={self.num_pages}, page_nbytes={self.page_nbytes})"

@@ -1,0 +1,19 @@
+"""The engine protocol: the mechanisms a kvcache policy runs on (DESIGN §7).
+
+The spec's decisions (allocation order, hit rules, atomicity, messages) are
+written once, in the policy; the mechanisms they need sit behind the small
+protocols of this package, so ``kvref`` (policy + reference engine) and
+``kvfast`` (policy + fast engine) differ in mechanisms only.
+
+Modules
+-------
+``_pool``     block pool, prefix index and chain hasher (manager and slot cache)
+``_manager``  page store factory and lookup-table builder (request manager)
+``_slot``     slot arrays, step-index builder and copy kernels (slot cache)
+
+Each module adds its names to ``__all__`` below.
+"""
+
+from .._page_store import HostPageStore, PageStore
+
+__all__ = ["PageStore", "HostPageStore"]
