@@ -281,10 +281,10 @@ class KVCache(_ref.KVCache):
         if code == k.PAST_MISMATCH:
             s = int(slots[i])
             raise ValueError(f"{api}: past_len[{i}]={past[i]} but seq_lens()[slot {s}]={int(self._seq[s])}")
-        q = cu[i + 1] - cu[i]
-        raise CapacityError(
-            f"{api}: past_len[{i}]+q_len[{i}]={past[i]}+{q}={past[i] + q} > max_seq_len={self._config.max_seq_len}"
-        )
+        if code == k.TOTAL:
+            raise CapacityError(f"{api}: sum(past_len+q_len)={i} > {2**31 - 1} (int32 cu_seqlens_k)")
+        p, q = int(past[i]), int(cu[i + 1]) - int(cu[i])
+        raise CapacityError(f"{api}: past_len[{i}]+q_len[{i}]={p}+{q}={p + q} > max_seq_len={self._config.max_seq_len}")
 
     def _step_to_device(self, step: StepIndices) -> StepIndices:  # pragma: no cover - needs a GPU
         import dataclasses

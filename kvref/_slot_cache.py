@@ -19,14 +19,14 @@ from typing import Sequence
 import numpy as np
 
 from kvspec import CapacityError, KVCacheConfig, KVCacheMode, KVLayerSpec, LayerKind, StepIndices
-from kvspec._config import parse_device
+from kvspec._config import INT32_MAX, parse_device
 from kvspec.hashing import block_hash, block_hashes, root_hash
 
 from ._block_pool import NULL_BLOCK, BlockPool
 
 __all__ = ["KVCache", "build_step_indices"]
 
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_INT32_MIN, _INT32_MAX = -(2**31), INT32_MAX
 _ATTN_KINDS = (LayerKind.ATTENTION, LayerKind.SLIDING_WINDOW)
 _KV_KINDS = (LayerKind.ATTENTION, LayerKind.SLIDING_WINDOW, LayerKind.CROSS_ATTENTION)
 
@@ -649,10 +649,14 @@ class KVCache:
             if p != self._seq[s]:
                 # Spec §2.8: strict past_len keeps shared blocks out of every write set.
                 raise ValueError(f"{api}: past_len[{i}]={p} but seq_lens()[slot {s}]={int(self._seq[s])}")
-        q_len = np.diff(cu)
-        for i in range(B):
-            if past[i] + q_len[i] > L:
-                raise CapacityError(f"{api}: past_len[{i}]+q_len[{i}]={past[i]}+{q_len[i]}={past[i] + q_len[i]} > max_seq_len={L}")
+        q_len = np.diff(cu)  # no overflow: cu starts at 0 and increases, so every entry is >= 0
+        for i, (p, q) in enumerate(zip(past.tolist(), q_len.tolist())):
+            # Spec §2.8: compared as q > L - past (0 <= past <= L), so a q near 2**63 cannot wrap.
+            if q > L - p:
+                raise CapacityError(f"{api}: past_len[{i}]+q_len[{i}]={p}+{q}={p + q} > max_seq_len={L}")
+        total = int((past + q_len).sum())  # each term <= L < 2**31 and B <= max_seqs < 2**31: no overflow
+        if total > INT32_MAX:
+            raise CapacityError(f"{api}: sum(past_len+q_len)={total} > {INT32_MAX} (int32 cu_seqlens_k)")
         if self._paged:
             self._grow(api, slots, self._blocks_needed(slots, past + q_len))
         step = build_step_indices(
@@ -708,10 +712,11 @@ class KVCache:
                 raise ValueError(f"{api}: n_new_per_seq[{i}]={n} < 0")
         L = self._config.max_seq_len
         before = self._seq[slots].astype(np.int64)
+        for i, (s, b, n) in enumerate(zip(slots.tolist(), before.tolist(), n_new.tolist())):
+            # Spec §2.9: compared as n > L - seq (0 <= seq <= L), so an n near 2**63 cannot wrap.
+            if n > L - b:
+                raise CapacityError(f"{api}: seq_lens()[slot {s}]+n_new_per_seq[{i}]={b}+{n}={b + n} > max_seq_len={L}")
         after = before + n_new
-        for i in range(slots.shape[0]):
-            if after[i] > L:
-                raise CapacityError(f"{api}: seq_lens()[slot {slots[i]}]+n_new_per_seq[{i}]={before[i]}+{n_new[i]}={after[i]} > max_seq_len={L}")
         self._grow(api, slots, self._blocks_needed(slots, after))
         for s, a, n in zip(slots.tolist(), after.tolist(), n_new.tolist()):
             if n:

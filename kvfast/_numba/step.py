@@ -12,12 +12,15 @@ import numpy as np
 from numba import njit
 
 __all__ = [
-    "OK", "CU0", "NOT_INCREASING", "SLOT_RANGE", "SLOT_DUP", "PAST_MISMATCH", "CAPACITY",
+    "OK", "CU0", "NOT_INCREASING", "SLOT_RANGE", "SLOT_DUP", "PAST_MISMATCH", "CAPACITY", "TOTAL",
     "check_step", "check_slots", "blocks_needed", "grow_rows", "build_indices",
 ]
 
 # Result codes of check_step / check_slots (the Python side formats the message).
-OK, CU0, NOT_INCREASING, SLOT_RANGE, SLOT_DUP, PAST_MISMATCH, CAPACITY = range(7)
+OK, CU0, NOT_INCREASING, SLOT_RANGE, SLOT_DUP, PAST_MISMATCH, CAPACITY, TOTAL = range(8)
+
+#: int32 index tensors (spec/types.md §1)
+_INT32_MAX = 2**31 - 1
 
 
 @njit(nogil=True, cache=True)
@@ -59,9 +62,14 @@ def check_step(cu, past, slots, seq, max_seqs, max_seq_len, mark, first, gen):
     for i in range(n):
         if past[i] != seq[slots[i]]:
             return PAST_MISMATCH, i, 0
+    total = 0
     for i in range(n):
-        if past[i] + (cu[i + 1] - cu[i]) > max_seq_len:
+        # q > L - past, not past + q > L: q may be near 2**63 (no wrap); 0 <= past <= L here
+        if cu[i + 1] - cu[i] > max_seq_len - past[i]:
             return CAPACITY, i, 0
+        total += past[i] + (cu[i + 1] - cu[i])
+    if total > _INT32_MAX:
+        return TOTAL, total, 0
     return OK, 0, 0
 
 

@@ -12,7 +12,12 @@ from dataclasses import dataclass
 from ._dtypes import KV_DTYPES, STATE_DTYPES, resolve_dtype
 from .hashing import HASH_ALGOS
 
-__all__ = ["KVCacheMode", "LayerKind", "KVLayerSpec", "KVCacheConfig", "parse_device", "check_int"]
+__all__ = ["KVCacheMode", "LayerKind", "KVLayerSpec", "KVCacheConfig", "parse_device", "check_int", "INT32_MAX"]
+
+#: Largest value of the int32 index tensors (positions, slot ids, block ids,
+#: ``cu_seqlens``): every size that ends up in one is bounded by it
+#: (``spec/types.md`` §1).
+INT32_MAX = 2**31 - 1
 
 
 class KVCacheMode(enum.Enum):
@@ -97,7 +102,11 @@ class KVLayerSpec:
     def attention(cls, kv_heads: int, head_dim: int) -> "KVLayerSpec":
         """A full causal attention layer."""
         o = "KVLayerSpec.attention"
-        return cls(LayerKind.ATTENTION, check_int(o, "kv_heads", kv_heads, low=1), check_int(o, "head_dim", head_dim, low=1))
+        return cls(
+            LayerKind.ATTENTION,
+            check_int(o, "kv_heads", kv_heads, low=1, high=INT32_MAX),
+            check_int(o, "head_dim", head_dim, low=1, high=INT32_MAX),
+        )
 
     @classmethod
     def sliding_window(cls, kv_heads: int, head_dim: int, window: int) -> "KVLayerSpec":
@@ -105,9 +114,9 @@ class KVLayerSpec:
         o = "KVLayerSpec.sliding_window"
         return cls(
             LayerKind.SLIDING_WINDOW,
-            check_int(o, "kv_heads", kv_heads, low=1),
-            check_int(o, "head_dim", head_dim, low=1),
-            window=check_int(o, "window", window, low=1),
+            check_int(o, "kv_heads", kv_heads, low=1, high=INT32_MAX),
+            check_int(o, "head_dim", head_dim, low=1, high=INT32_MAX),
+            window=check_int(o, "window", window, low=1, high=INT32_MAX),
         )
 
     @classmethod
@@ -116,9 +125,9 @@ class KVLayerSpec:
         o = "KVLayerSpec.cross_attention"
         return cls(
             LayerKind.CROSS_ATTENTION,
-            check_int(o, "kv_heads", kv_heads, low=1),
-            check_int(o, "head_dim", head_dim, low=1),
-            max_enc_len=check_int(o, "max_enc_len", max_enc_len, low=1),
+            check_int(o, "kv_heads", kv_heads, low=1, high=INT32_MAX),
+            check_int(o, "head_dim", head_dim, low=1, high=INT32_MAX),
+            max_enc_len=check_int(o, "max_enc_len", max_enc_len, low=1, high=INT32_MAX),
         )
 
     @classmethod
@@ -128,15 +137,15 @@ class KVLayerSpec:
         o = "KVLayerSpec.state"
         if isinstance(conv_dims, (int,)) or not hasattr(conv_dims, "__iter__"):
             raise TypeError(f"{o}: conv_dims={conv_dims!r}, must be a tuple of ints")
-        dims = tuple(check_int(o, f"conv_dims[{i}]", d, low=1) for i, d in enumerate(conv_dims))
-        width = check_int(o, "conv_width", conv_width, low=0)
+        dims = tuple(check_int(o, f"conv_dims[{i}]", d, low=1, high=INT32_MAX) for i, d in enumerate(conv_dims))
+        width = check_int(o, "conv_width", conv_width, low=0, high=INT32_MAX)
         if dims and width < 1:
             raise ValueError(f"{o}: conv_width={width}, must be >= 1 when conv_dims is not empty")
         rec = None
         if recurrent is not None:
             if not hasattr(recurrent, "__len__") or len(recurrent) != 3:
                 raise ValueError(f"{o}: recurrent={recurrent!r}, must be (heads, k_dim, v_dim) or None")
-            rec = tuple(check_int(o, f"recurrent[{i}]", d, low=1) for i, d in enumerate(recurrent))
+            rec = tuple(check_int(o, f"recurrent[{i}]", d, low=1, high=INT32_MAX) for i, d in enumerate(recurrent))
         if not dims and rec is None:
             raise ValueError(f"{o}: conv_dims=() and recurrent=None, a state layer must store something")
         return cls(LayerKind.STATE, conv_dims=dims, conv_width=width, recurrent=rec)
@@ -173,15 +182,24 @@ class KVCacheConfig:
 
     def __post_init__(self):
         o = "KVCacheConfig"
-        check_int(o, "num_layers", self.num_layers, low=1)
-        check_int(o, "max_seqs", self.max_seqs, low=1)
-        check_int(o, "max_seq_len", self.max_seq_len, low=1)
+        # spec/types.md §1: every size that lands in an int32 index tensor is bounded by INT32_MAX,
+        # checked before any arithmetic on it.
+        check_int(o, "num_layers", self.num_layers, low=1, high=INT32_MAX)
+        check_int(o, "max_seqs", self.max_seqs, low=1, high=INT32_MAX)
+        check_int(o, "max_seq_len", self.max_seq_len, low=1, high=INT32_MAX)
         if not isinstance(self.mode, KVCacheMode):
             raise ValueError(f"{o}: mode={self.mode!r}, must be a KVCacheMode")
-        check_int(o, "block_size", self.block_size, low=1)
-        check_int(o, "num_blocks", self.num_blocks, low=0)
+        check_int(o, "block_size", self.block_size, low=1, high=INT32_MAX)
+        check_int(o, "num_blocks", self.num_blocks, low=0, high=INT32_MAX)
         if self.mode is KVCacheMode.PAGED and self.num_blocks == 1:
             raise ValueError(f"{o}: num_blocks=1, must be 0 (auto) or >= 2 (block 0 is the null block)")
+        if self.mode is KVCacheMode.PAGED and self.num_blocks == 0:
+            auto = self.max_seqs * self.max_blocks_per_seq + 1
+            if auto > INT32_MAX:
+                raise ValueError(
+                    f"{o}: num_blocks=0 sizes the pool to max_seqs*ceil(max_seq_len/block_size)+1={auto}, "
+                    f"must be <= {INT32_MAX} (int32 block ids); give num_blocks"
+                )
         resolve_dtype(o, "dtype", self.dtype, KV_DTYPES)
         resolve_dtype(o, "state_dtype", self.state_dtype, STATE_DTYPES)
         parse_device(o, self.device)
@@ -191,12 +209,12 @@ class KVCacheConfig:
             raise ValueError(f"{o}: hash_algo={self.hash_algo!r}, must be one of {sorted(HASH_ALGOS)}")
         check_int(o, "hash_seed", self.hash_seed, low=0, high=2**64 - 1)
         if self.num_state_checkpoints is not None:
-            check_int(o, "num_state_checkpoints", self.num_state_checkpoints, low=0)
+            check_int(o, "num_state_checkpoints", self.num_state_checkpoints, low=0, high=INT32_MAX)
 
     @property
     def max_blocks_per_seq(self) -> int:
         """Columns of the block table: ``ceil(max_seq_len / block_size)``."""
-        return math.ceil(self.max_seq_len / self.block_size)
+        return -(-self.max_seq_len // self.block_size)  # exact integer ceil
 
     @property
     def resolved_num_blocks(self) -> int:
