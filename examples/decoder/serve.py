@@ -1,0 +1,484 @@
+"""Continuous batching over kvcache: the decoder served by a slot cache or by the request manager.
+
+Both servers run the same scheduler shape as vLLM or SGLang, shrunk to a
+page of code each:
+
+* waiting requests are admitted while there is room (a free slot or batch
+  row), taking their cached prefix (``KVCache.admit`` /
+  ``PagedKVCacheManager.alloc``);
+* every step batches all running requests: a prefill chunk of at most
+  ``chunk_size`` tokens for a request still reading its prompt, one token for
+  a decoding one;
+* out of blocks (``CapacityError`` / ``InsufficientBlocksError``, which
+  change nothing), the youngest running request is preempted: its full blocks
+  are published (``retire`` / ``release`` after ``step``), it goes back to the
+  front of the queue and is re-admitted later, recomputing only what the
+  cache no longer holds;
+* a follow-up turn (``Request.parent``) starts once its parent has finished,
+  with the parent's whole conversation as its prompt, so it hits the blocks
+  the parent published.
+
+Sampling is greedy. Each server records every request's tokens and the
+logits each token was chosen from, and :class:`ServeStats` counts what the
+cache did (prefix hits, evictions seen, preemptions, chunked prefills) so a
+test can assert that they happened.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from .model import Decoder, PagedTableAttention, SlotCacheAttention, layer_specs_for
+
+__all__ = ["Request", "ServeStats", "ServeResult", "SlotCacheServer", "ManagerServer",
+           "reference_run", "compare", "chat_workload"]
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request (one conversation turn).
+
+    Parameters
+    ----------
+    request_id : str
+    prompt : sequence of int
+        First turn: the whole prompt. Follow-up: the new user tokens only.
+    max_new_tokens : int
+        Tokens to generate (greedy), >= 1.
+    parent : str, optional
+        A follow-up of this request: its prompt is the parent's tokens
+        (prompt and generated) followed by ``prompt``.
+    """
+
+    request_id: str
+    prompt: tuple
+    max_new_tokens: int
+    parent: Optional[str] = None
+
+
+@dataclass
+class ServeStats:
+    """What the cache did in a run (counted by the server, from public API observations)."""
+
+    steps: int = 0                     #: forwards run
+    prefix_hit_tokens: int = 0         #: tokens taken from the cache at admissions
+    admissions_with_hit: int = 0       #: admissions whose hit was > 0
+    evicted_admissions: int = 0        #: admissions whose device hit was below what an infinite cache would hold
+    preemptions: int = 0               #: running requests sent back to the queue for lack of blocks
+    readmissions: int = 0              #: admissions of a preempted request
+    chunked_prefill_steps: int = 0     #: forwards in which a row read only part of its remaining prompt
+    external_hit_blocks: int = 0       #: blocks loaded from an offload tier (manager with tiers)
+
+
+@dataclass
+class ServeResult:
+    """Per request: the prompt served, the generated tokens, and float32 logits ``[max_new_tokens, vocab]``."""
+
+    prompts: dict = field(default_factory=dict)
+    tokens: dict = field(default_factory=dict)
+    logits: dict = field(default_factory=dict)
+    stats: ServeStats = field(default_factory=ServeStats)
+
+
+class _Live:
+    """Scheduler state of one request."""
+
+    def __init__(self, req: Request, prompt: list[int]):
+        self.req = req
+        self.prompt = list(prompt)
+        self.tokens = list(prompt)        # prompt + generated; the last generated one is not yet fed
+        self.generated: list[int] = []
+        self.logits: list[np.ndarray] = []
+        self.computed = 0                 # tokens whose K/V are in the cache (slot server)
+        self.preempted = False
+        self.ctx = None                   # TextContext (manager server)
+
+    @property
+    def done(self) -> bool:
+        return len(self.generated) == self.req.max_new_tokens
+
+    def sample(self, logits: np.ndarray) -> int:
+        tok = int(np.argmax(logits))
+        self.generated.append(tok)
+        self.logits.append(np.asarray(logits, np.float32).copy())
+        self.tokens.append(tok)
+        return tok
+
+
+def _prompt_of(req: Request, finished: dict) -> list[int]:
+    if req.parent is None:
+        return list(req.prompt)
+    parent = finished[req.parent]
+    return list(parent.tokens) + list(req.prompt)
+
+
+class _PrefixLedger:
+    """Every block-aligned prefix ever published: the hit an infinite cache would give."""
+
+    def __init__(self, block: int):
+        self.block = block
+        self.keys: set = set()
+
+    def publish(self, tokens: Sequence[int], n_blocks: int) -> None:
+        for i in range(1, n_blocks + 1):
+            self.keys.add(tuple(tokens[: i * self.block]))
+
+    def ideal_hit(self, tokens: Sequence[int]) -> int:
+        k = 0
+        while (k + 1) * self.block <= len(tokens) - 1 and tuple(tokens[: (k + 1) * self.block]) in self.keys:
+            k += 1
+        return k * self.block
+
+
+def _validate_requests(requests: Sequence[Request]) -> list[Request]:
+    seen = set()
+    for r in requests:
+        if not isinstance(r, Request):
+            raise TypeError(f"serve: requests contains {type(r).__name__}, must be Request")
+        if r.request_id in seen:
+            raise ValueError(f"serve: request_id={r.request_id!r} appears twice")
+        if r.parent is not None and r.parent not in seen:
+            raise ValueError(f"serve: request_id={r.request_id!r} has parent={r.parent!r}, which must come earlier")
+        if r.max_new_tokens < 1:
+            raise ValueError(f"serve: request_id={r.request_id!r} max_new_tokens={r.max_new_tokens} must be >= 1")
+        seen.add(r.request_id)
+    return list(requests)
+
+
+class SlotCacheServer:
+    """Serve the decoder through a ``KVCache`` (paged with prefix reuse, or contiguous).
+
+    Parameters
+    ----------
+    kvpkg : module
+        ``kvref`` or ``kvfast``.
+    model : Decoder
+    mode : {"paged", "contiguous"}
+    max_seqs, max_seq_len : int
+        Slots and tokens per slot.
+    block_size, num_blocks : int
+        Paged geometry (``num_blocks`` small enough to evict).
+    dtype : {"float32", "bfloat16", "float16"}
+        K/V storage dtype.
+    chunk_size : int
+        Largest prefill chunk of one row in one step.
+    past_offset : int
+        Fault injection: added to the rotary position of every token that has
+        cached history before it (an engine that miscounts the cached length).
+    on_admit : callable, optional
+        Fault injection: ``on_admit(cache, slot, hit)`` after each admission.
+    """
+
+    def __init__(self, kvpkg, model: Decoder, *, mode: str = "paged", max_seqs: int = 4, max_seq_len: int = 64,
+                 block_size: int = 4, num_blocks: int = 0, dtype: str = "float32", chunk_size: int = 8,
+                 past_offset: int = 0, on_admit: Optional[Callable] = None):
+        if mode not in ("paged", "contiguous"):
+            raise ValueError(f"SlotCacheServer: mode={mode!r}, must be 'paged' or 'contiguous'")
+        if chunk_size < 1:
+            raise ValueError(f"SlotCacheServer: chunk_size={chunk_size} must be >= 1")
+        cfg = model.config
+        self.kv, self.model, self.chunk_size = kvpkg, model, chunk_size
+        self.past_offset, self.on_admit = past_offset, on_admit
+        self.paged = mode == "paged"
+        kmode = kvpkg.KVCacheMode.PAGED if self.paged else kvpkg.KVCacheMode.CONTIGUOUS
+        self.cache = kvpkg.KVCache.make(
+            kvpkg.KVCacheConfig(num_layers=cfg.num_layers, max_seqs=max_seqs, max_seq_len=max_seq_len,
+                                mode=kmode, block_size=block_size, num_blocks=num_blocks, dtype=dtype),
+            layer_specs_for(kvpkg, cfg))
+        self.block_size = block_size
+
+    def serve(self, requests: Sequence[Request]) -> ServeResult:
+        """Serve every request to completion; return tokens, logits and stats."""
+        requests = _validate_requests(requests)
+        cache, kv, res, stats = self.cache, self.kv, ServeResult(), ServeResult().stats
+        res.stats = stats
+        ledger = _PrefixLedger(self.block_size)
+        waiting: deque = deque(requests)
+        running: dict[int, _Live] = {}            # slot -> request, in admission order
+        finished: dict[str, _Live] = {}
+        max_seqs = cache.config.max_seqs
+        while waiting or running:
+            # 1. admit: a free slot and a finished parent
+            for item in list(waiting):
+                if len(running) == max_seqs:
+                    break
+                live = item if isinstance(item, _Live) else None
+                req = live.req if live else item
+                if req.parent is not None and req.parent not in finished:
+                    continue
+                if live is None:
+                    live = _Live(req, _prompt_of(req, finished))
+                slot = min(set(range(max_seqs)) - set(running))
+                hit = 0
+                if self.paged:
+                    ideal = ledger.ideal_hit(live.tokens)
+                    hit = cache.admit(slot, live.tokens)           # longest cached run of whole blocks
+                    stats.evicted_admissions += hit < ideal
+                stats.prefix_hit_tokens += hit
+                stats.admissions_with_hit += hit > 0
+                stats.readmissions += live.preempted
+                live.computed = hit
+                if self.on_admit is not None:
+                    self.on_admit(cache, slot, hit)
+                running[slot] = live
+                waiting.remove(item)
+            # 2. schedule and reserve; out of blocks -> preempt the youngest and retry
+            while True:
+                rows = [(slot, live, min(len(live.tokens) - live.computed, self.chunk_size))
+                        for slot, live in running.items()]
+                try:
+                    step = cache.prepare_step(np.concatenate([[0], np.cumsum([q for _, _, q in rows])]),
+                                              [live.computed for _, live, _ in rows], [s for s, _, _ in rows])
+                    break
+                except kv.CapacityError:
+                    if len(running) == 1:
+                        raise RuntimeError("SlotCacheServer: one request does not fit the pool; "
+                                           f"num_blocks={cache.config.num_blocks} is too small") from None
+                    slot, victim = list(running.items())[-1]
+                    self._preempt(slot, victim, ledger)
+                    del running[slot]
+                    waiting.appendleft(victim)
+                    stats.preemptions += 1
+            # 3. forward: write K/V and attend through the cache
+            feed = np.concatenate([live.tokens[live.computed: live.computed + q] for _, live, q in rows])
+            positions = np.asarray(step.positions, dtype=np.int64)
+            if self.past_offset:
+                positions = positions + self.past_offset * (positions >= 1)
+            logits = self.model.forward(feed, positions, SlotCacheAttention(kv.ops, cache, step),
+                                        logits_rows=step.logits_indices)
+            stats.steps += 1
+            stats.chunked_prefill_steps += any(q < len(l.tokens) - l.computed for _, l, q in rows)
+            # 4. commit, sample, finish
+            for b, (slot, live, q) in enumerate(rows):
+                live.computed += q
+                cache.update_position(slot, live.computed)
+                if live.computed < len(live.tokens):
+                    continue                                       # a prefill chunk: nothing sampled
+                live.sample(logits[b])
+                if live.done:
+                    self._finish(slot, live, ledger)
+                    del running[slot]
+                    finished[live.req.request_id] = live
+            kv.check_invariants(cache)
+        for rid, live in finished.items():
+            res.prompts[rid], res.tokens[rid], res.logits[rid] = live.prompt, live.generated, np.stack(live.logits)
+        return res
+
+    def _preempt(self, slot: int, live: _Live, ledger: _PrefixLedger) -> None:
+        self._finish(slot, live, ledger)       # publish what it computed; re-admission hits it
+        live.computed = 0
+        live.preempted = True
+
+    def _finish(self, slot: int, live: _Live, ledger: _PrefixLedger) -> None:
+        if self.paged:
+            self.cache.retire(slot, live.tokens)   # publishes the full blocks below seq_len, frees the slot
+            ledger.publish(live.tokens, live.computed // self.block_size)
+        else:
+            self.cache.evict_batch(slot)
+
+
+class ManagerServer:
+    """Serve the decoder through a ``PagedKVCacheManager`` and its ``runtime_inputs``.
+
+    Parameters
+    ----------
+    kvpkg : module
+        ``kvref`` or ``kvfast``.
+    model : Decoder
+    num_blocks, max_batch_size, max_seq_len, page_size : int
+    dtype : {"float32", "bfloat16", "float16"}
+    host_bytes : int
+        Host tier size (a ``TieredConnector`` is built from the params); 0 = none.
+    chunk_size : int
+        Largest prefill chunk of one request in one step.
+    past_offset : int
+        Fault injection, as in :class:`SlotCacheServer`.
+    on_admit : callable, optional
+        Fault injection: ``on_admit(mgr, ctx)`` after each admission's ``alloc``.
+    """
+
+    def __init__(self, kvpkg, model: Decoder, *, num_blocks: int = 24, max_batch_size: int = 4,
+                 max_seq_len: int = 64, page_size: int = 4, dtype: str = "float32", host_bytes: int = 0,
+                 chunk_size: int = 8, past_offset: int = 0, on_admit: Optional[Callable] = None):
+        if chunk_size < 1:
+            raise ValueError(f"ManagerServer: chunk_size={chunk_size} must be >= 1")
+        cfg = model.config
+        self.kv, self.model, self.chunk_size = kvpkg, model, chunk_size
+        self.past_offset, self.on_admit = past_offset, on_admit
+        self.page_size, self.max_batch_size = page_size, max_batch_size
+        params = kvpkg.KVCacheParams(page_size=page_size, num_layers=cfg.num_layers, kv_heads=cfg.kv_heads,
+                                     head_dim=cfg.head_dim, dtype=dtype, host_offload_bytes=host_bytes)
+        self.mgr = kvpkg.PagedKVCacheManager(params, num_blocks=num_blocks, max_batch_size=max_batch_size,
+                                             max_seq_len=max_seq_len)
+
+    def _chunk(self, ctx) -> None:
+        if ctx.active_length > self.chunk_size:
+            ctx.chunk(self.chunk_size)
+
+    def _admit(self, live: _Live, ledger: _PrefixLedger, stats: ServeStats) -> bool:
+        mgr, ps = self.mgr, self.page_size
+        ctx = live.ctx
+        mgr.claim(ctx)
+        # chunk after the hit: the hit is taken at the first alloc, capped by the active length
+        hits = mgr.get_prefix_cache_hit_counts(ctx)[0]
+        expect = min(hits.total_blocks, (ctx.active_length - 1) // ps) * ps
+        if expect + self.chunk_size < ctx.active_length:
+            ctx.chunk(expect + self.chunk_size)
+        ideal = ledger.ideal_hit(ctx.tokens)
+        try:
+            transfer = mgr.alloc(ctx)
+        except self.kv.InsufficientBlocksError:
+            mgr.release(ctx)
+            ctx.reset()
+            return False
+        if not transfer.is_complete():
+            transfer.synchronize()             # a tier load: the forward must wait for it
+        hit, external = ctx.cached_prefix_length, ctx.cached_prefix_external_length
+        stats.prefix_hit_tokens += hit
+        stats.admissions_with_hit += hit > 0
+        stats.evicted_admissions += hit - external < ideal
+        stats.external_hit_blocks += external // ps
+        stats.readmissions += live.preempted
+        if self.on_admit is not None:
+            self.on_admit(mgr, ctx)
+        return True
+
+    def serve(self, requests: Sequence[Request]) -> ServeResult:
+        """Serve every request to completion; return tokens, logits and stats."""
+        requests = _validate_requests(requests)
+        kv, mgr, ps = self.kv, self.mgr, self.page_size
+        res = ServeResult()
+        stats = res.stats
+        ledger = _PrefixLedger(ps)
+        waiting: deque = deque(requests)
+        running: list[_Live] = []
+        finished: dict[str, _Live] = {}
+        try:
+            while waiting or running:
+                mgr.poll_transfers()
+                # 1. admit while rows and pages last
+                for item in list(waiting):
+                    if len(running) == self.max_batch_size:
+                        break
+                    live = item if isinstance(item, _Live) else None
+                    req = live.req if live else item
+                    if req.parent is not None and req.parent not in finished:
+                        continue
+                    if live is None:
+                        live = _Live(req, _prompt_of(req, finished))
+                        live.ctx = kv.TextContext(req.request_id, live.tokens)
+                    if not self._admit(live, ledger, stats):
+                        break
+                    running.append(live)
+                    waiting.remove(item)
+                # 2. pages for this step's tokens; out of pages -> preempt the youngest
+                i = 0
+                while i < len(running):
+                    live = running[i]
+                    if live.ctx.processed_length or live.ctx.cached_prefix_length == 0:
+                        self._chunk(live.ctx)
+                    try:
+                        mgr.alloc(live.ctx)
+                        i += 1
+                    except kv.InsufficientBlocksError:
+                        if len(running) == 1:
+                            raise RuntimeError("ManagerServer: one request does not fit the pool; "
+                                               f"num_blocks is too small") from None
+                        victim = running.pop()
+                        mgr.release(victim.ctx)         # its committed pages stay cached
+                        victim.ctx.reset()
+                        victim.preempted = True
+                        waiting.appendleft(victim)
+                        stats.preemptions += 1
+                # 3. forward over the lookup table
+                inputs = mgr.runtime_inputs([[l.ctx for l in running]]).inputs[0]
+                q_lens = [l.ctx.active_length for l in running]
+                feed = np.concatenate([l.ctx.active_tokens for l in running])
+                attend = PagedTableAttention(inputs, q_lens, self.model.config.windows)
+                positions = attend.positions
+                if self.past_offset:
+                    positions = positions + self.past_offset * (positions >= 1)
+                logits = self.model.forward(feed, positions, attend, logits_rows=np.cumsum(q_lens) - 1)
+                stats.steps += 1
+                stats.chunked_prefill_steps += any(l.ctx.pending_length for l in running)
+                # 4. commit, sample, finish
+                for b, live in enumerate(list(running)):
+                    ctx = live.ctx
+                    if ctx.pending_length:
+                        ctx.advance_chunk()
+                    else:
+                        ctx.update(live.sample(logits[b]))
+                    mgr.step(ctx)                       # publish the pages the forward filled
+                    ledger.publish(ctx.tokens, min(ctx.processed_length, len(ctx) - 1) // ps)
+                    if live.done:
+                        mgr.release(ctx)
+                        running.remove(live)
+                        finished[live.req.request_id] = live
+                kv.check_invariants(mgr)
+        finally:
+            mgr.shutdown()
+        for rid, live in finished.items():
+            res.prompts[rid], res.tokens[rid], res.logits[rid] = live.prompt, live.generated, np.stack(live.logits)
+        return res
+
+
+def reference_run(ort_decoder, requests: Sequence[Request]) -> ServeResult:
+    """Each request on its own through ONNX Runtime (its own K/V cache), follow-ups after their parents."""
+    requests = _validate_requests(requests)
+    res = ServeResult()
+    done: dict[str, _Live] = {}
+    for req in requests:
+        live = _Live(req, _prompt_of(req, done))
+        toks, logits = ort_decoder.generate(live.prompt, req.max_new_tokens)
+        live.tokens += toks
+        done[req.request_id] = live
+        res.prompts[req.request_id], res.tokens[req.request_id], res.logits[req.request_id] = live.prompt, toks, logits
+    return res
+
+
+def compare(result: ServeResult, reference: ServeResult, atol: float = 1e-4) -> float:
+    """Assert that every request's prompt and greedy tokens are equal and its logits agree within ``atol``.
+
+    Returns
+    -------
+    float
+        The largest absolute logit difference over all requests and steps.
+
+    Raises
+    ------
+    AssertionError
+        Naming the first request and step that differ.
+    """
+    if set(result.tokens) != set(reference.tokens):
+        raise AssertionError(f"compare: requests {sorted(result.tokens)} != {sorted(reference.tokens)}")
+    worst = 0.0
+    for rid in reference.tokens:
+        if list(result.prompts[rid]) != list(reference.prompts[rid]):
+            raise AssertionError(f"compare: request {rid!r} served another prompt")
+        a, b = result.logits[rid], reference.logits[rid]
+        for s, (ta, tb) in enumerate(zip(result.tokens[rid], reference.tokens[rid])):
+            d = float(np.max(np.abs(a[s] - b[s])))
+            if d > atol:
+                raise AssertionError(f"compare: request {rid!r} step {s}: logits differ by {d:.3g} > atol={atol}")
+            if ta != tb:
+                raise AssertionError(f"compare: request {rid!r} step {s}: token {ta} != reference {tb}")
+            worst = max(worst, d)
+    return worst
+
+
+def chat_workload(vocab_size: int, seed: int = 0, new_tokens: int = 4) -> list[Request]:
+    """Two shared system prompts, six first turns and three follow-up turns (prefix hits by construction)."""
+    rng = np.random.default_rng(seed)
+
+    def toks(n):
+        return tuple(int(t) for t in rng.integers(1, vocab_size, n))
+
+    systems = [toks(13), toks(10)]
+    reqs = [Request(f"r{i}", systems[i % 2] + toks(3 + i % 4), new_tokens) for i in range(6)]
+    reqs += [Request(f"r{i}.2", toks(4), new_tokens, parent=f"r{i}") for i in (0, 1, 3)]
+    reqs += [Request("r0.3", toks(3), new_tokens, parent="r0.2")]
+    return reqs
