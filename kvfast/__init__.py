@@ -25,6 +25,11 @@ from kvspec import __all__ as _spec_all
 
 __version__ = "0.1.0"
 
+# KVFAST_CUDA_EMULATE=1 (a test device): the CPU stand-in registers itself as ``cupy``; never chosen otherwise.
+from ._cuda._module import install_emulation_if_requested as _emulate
+
+_emulate()
+
 # Public name -> private module; loaded on first use (PEP 562).
 _LAZY = {
     "KVCache": "._slot_cache",

@@ -6,11 +6,34 @@ import functools
 
 from ._sources import KERNEL_DIR, entry_name, source
 
-__all__ = ["cupy", "get_kernel", "launch_1d_rows"]
+__all__ = ["cupy", "get_kernel", "launch_1d_rows", "emulating", "install_emulation_if_requested"]
+
+
+def emulating() -> bool:
+    """Whether ``KVFAST_CUDA_EMULATE`` selects the CPU stand-in for CuPy (:mod:`kvfast._cuda.emulate`)."""
+    from .emulate import enabled
+
+    return enabled()
+
+
+def install_emulation_if_requested() -> bool:
+    """With ``KVFAST_CUDA_EMULATE=1``, register the CPU stand-in as ``cupy`` (``sys.modules``)
+    so every CuPy import of kvfast gets it; never otherwise. Returns whether it did."""
+    if not emulating():
+        return False
+    from .emulate import install
+
+    install()
+    return True
 
 
 def cupy():
-    """The ``cupy`` module; ``RuntimeError`` with the install hint when absent."""
+    """The ``cupy`` module (the emulated one under ``KVFAST_CUDA_EMULATE=1``);
+    ``RuntimeError`` with the install hint when absent."""
+    if emulating():
+        from .emulate import install
+
+        return install()
     try:
         import cupy as cp
     except ImportError as e:  # pragma: no cover - depends on the machine

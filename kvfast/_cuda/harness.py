@@ -31,7 +31,7 @@ import numpy as np
 
 from ._sources import ELEM_SUFFIX, KERNEL_DIR, KERNELS, header_sources, source
 
-__all__ = ["HarnessError", "SHIM", "compiler", "build", "HostKernel", "get_host_kernel", "entry_names"]
+__all__ = ["HarnessError", "SHIM", "compiler", "build", "HostKernel", "get_host_kernel", "entry_names", "signature"]
 
 
 class HarnessError(RuntimeError):
@@ -46,6 +46,7 @@ SHIM = r"""
 #include <cstddef>
 #include <type_traits>
 #include <utility>
+#include <string>
 #include <vector>
 #define __global__
 #define __device__
@@ -69,6 +70,17 @@ static inline void call(void (*f)(P...), const unsigned long long* a, std::index
   f(conv<P>(a[I])...);
 }
 template <class... P> static constexpr int arity(void (*)(P...)) { return (int)sizeof...(P); }
+// Parameter list as text: "p<pointee bytes>" for a pointer, "s<bytes>" for a scalar, comma separated.
+template <class P> static inline void sig1(std::string& out) {
+  if (!out.empty()) out += ",";
+  if constexpr (std::is_pointer<P>::value) out += "p" + std::to_string(sizeof(std::remove_pointer_t<P>));
+  else out += "s" + std::to_string(sizeof(P));
+}
+template <class... P> static inline const char* signature(void (*)(P...)) {
+  static std::string out;
+  if (out.empty()) (sig1<P>(out), ...);
+  return out.c_str();
+}
 // splitmix64: the shuffled launch order comes from a seed.
 static inline unsigned long long mix(unsigned long long& s) {
   unsigned long long z = (s += 0x9E3779B97F4A7C15ull);
@@ -101,6 +113,7 @@ static inline void launch(void (*f)(P...), const unsigned long long* a, const un
 }  // namespace kvh
 #define KVH_EXPORT(name)                                                                      \
   extern "C" int kvh_arity_##name() { return kvh::arity(&name); }                             \
+  extern "C" const char* kvh_sig_##name() { return kvh::signature(&name); }                   \
   extern "C" void kvh_launch_##name(const unsigned long long* a, const unsigned int* dims,    \
                                     unsigned long long seed) { kvh::launch(&name, a, dims, seed); }
 """
@@ -267,3 +280,14 @@ def _word(api: str, i: int, a) -> int:
 def get_host_kernel(filename: str, name: str) -> HostKernel:
     """The cached :class:`HostKernel` ``name`` of ``kvfast/kernels/<filename>``."""
     return HostKernel(filename, name)
+
+
+@functools.lru_cache(maxsize=None)
+def signature(filename: str, name: str) -> tuple[tuple[str, int], ...]:
+    """The parameter list of one entry point, from the compiled code: ``("p", 2)`` for a
+    pointer to 2-byte elements, ``("s", 8)`` for an 8-byte scalar, one per parameter."""
+    get_host_kernel(filename, name)  # validates the name, builds the library
+    fn = getattr(_library(filename), f"kvh_sig_{name}")
+    fn.restype = ctypes.c_char_p
+    fn.argtypes = []
+    return tuple((p[0], int(p[1:])) for p in fn().decode().split(",") if p)
