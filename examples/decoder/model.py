@@ -265,48 +265,62 @@ class PagedTableAttention:
     Token ``j`` of row ``b`` sits at position ``p = cache_lengths[b] + j``; its
     K/V go to page ``lookup_table[b, p // page_size]``, offset ``p % page_size``
     of ``kv_blocks[page, 0 (K) / 1 (V), layer]``. It attends keys ``[0, p]``
-    (or the layer's window) read back through the same table.
+    (or the layer's window ``[p - w + 1, p]``) read back through the same table.
+
+    With several leaves (a full-attention leaf and a sliding-window leaf,
+    ``runtime_inputs(...).inputs[0]`` is then a dict keyed by leaf id), each
+    layer reads and writes the pages of its own leaf; a sliding leaf's table
+    holds the null page 0 below the window, which is never read.
 
     Parameters
     ----------
-    per_device : KVCacheInputsPerDevice
+    inputs : KVCacheInputsPerDevice or dict of str to KVCacheInputsPerDevice
         ``mgr.runtime_inputs([batch]).inputs[0]``.
     q_lens : int [B]
         Active tokens of each row this step (``ctx.active_length``).
     windows : sequence of (int or None)
         Per layer, the model's sliding window (None = full attention).
+    layer_leaf : sequence of str, optional
+        Per layer, its leaf id when ``inputs`` is a dict.
     """
 
-    def __init__(self, per_device, q_lens: Sequence[int], windows: Sequence[Optional[int]]):
-        self.kv = per_device.kv_blocks                                   # [blocks, 2, layers, page, heads, dim]
-        self.lut = np.asarray(per_device.lookup_table, dtype=np.int64)  # [B, cols], 0 = null page
-        self.past = np.asarray(per_device.cache_lengths, dtype=np.int64)
+    def __init__(self, inputs, q_lens: Sequence[int], windows: Sequence[Optional[int]],
+                 layer_leaf: Optional[Sequence[str]] = None):
+        if isinstance(inputs, dict):
+            if layer_leaf is None or len(layer_leaf) != len(windows):
+                raise ValueError(f"PagedTableAttention: layer_leaf={layer_leaf!r} must name a leaf for each of {len(windows)} layers")
+            self.per_layer = [inputs[leaf] for leaf in layer_leaf]
+        else:
+            self.per_layer = [inputs] * len(windows)
+        first = self.per_layer[0]
+        self.past = np.asarray(first.cache_lengths, dtype=np.int64)     # uint32 [B] = processed_length
         self.q_lens = np.asarray(q_lens, dtype=np.int64)
         self.windows = list(windows)
-        self.page = self.kv.shape[3]
-        if self.lut.shape[0] != self.q_lens.size:
-            raise ValueError(f"PagedTableAttention: lookup_table rows={self.lut.shape[0]} != len(q_lens)={self.q_lens.size}")
+        self.page = first.kv_blocks.shape[3]
+        if self.past.size != self.q_lens.size:
+            raise ValueError(f"PagedTableAttention: cache_lengths has {self.past.size} rows != len(q_lens)={self.q_lens.size}")
         cu = np.concatenate([[0], np.cumsum(self.q_lens)])
         self.row_of = np.repeat(np.arange(self.q_lens.size), self.q_lens)
         self.positions = self.past[self.row_of] + (np.arange(cu[-1]) - cu[self.row_of])
-        self.pages = self.lut[self.row_of, self.positions // self.page]
-        self.offsets = self.positions % self.page
         self.cu = cu
 
     def __call__(self, layer, q, k, v):
-        kv, ps = self.kv, self.page
-        kv[self.pages, 0, layer, self.offsets] = k                       # write (cast to the storage dtype)
-        kv[self.pages, 1, layer, self.offsets] = v
+        inp = self.per_layer[layer]
+        kv, ps = inp.kv_blocks, self.page                                 # [blocks, 2, layers, page, heads, dim]
+        lut = np.asarray(inp.lookup_table, dtype=np.int64)               # [B, cols], 0 = null page
+        pages = lut[self.row_of, self.positions // ps]
+        kv[pages, 0, layer, self.positions % ps] = k                     # write (cast to the storage dtype)
+        kv[pages, 1, layer, self.positions % ps] = v
         out = np.zeros(q.shape, np.float32)
         group = q.shape[1] // k.shape[1]
         window = self.windows[layer]
         for b in range(self.q_lens.size):
             lo, hi = int(self.cu[b]), int(self.cu[b + 1])
-            n = int(self.past[b] + self.q_lens[b])                       # keys [0, n)
-            pos = np.arange(n)
-            pages = self.lut[b, pos // ps]
-            kb = kv[pages, 0, layer, pos % ps].astype(np.float32)        # [n, Hkv, D]
-            vb = kv[pages, 1, layer, pos % ps].astype(np.float32)
+            n = int(self.past[b] + self.q_lens[b])                       # keys [start, n)
+            start = 0 if window is None else max(0, int(self.past[b]) - window + 1)
+            pos = np.arange(start, n)
+            kb = kv[lut[b, pos // ps], 0, layer, pos % ps].astype(np.float32)   # [n - start, Hkv, D]
+            vb = kv[lut[b, pos // ps], 1, layer, pos % ps].astype(np.float32)
             qpos = self.positions[lo:hi][:, None]
             mask = pos[None, :] <= qpos
             if window is not None:

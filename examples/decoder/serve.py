@@ -26,6 +26,7 @@ test can assert that they happened.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -310,8 +311,15 @@ class ManagerServer:
         self.kv, self.model, self.chunk_size = kvpkg, model, chunk_size
         self.past_offset, self.on_admit = past_offset, on_admit
         self.page_size, self.max_batch_size = page_size, max_batch_size
+        # one leaf per kind of layer: "full", and "swa<w>" for each sliding window w
+        self.layer_leaf = ["full" if w is None else f"swa{w}" for w in cfg.windows]
+        leaves = None
+        if any(w is not None for w in cfg.windows):
+            leaves = {leaf: (kvpkg.LeafSpec.full() if w is None else kvpkg.LeafSpec.sliding_window(w))
+                      for leaf, w in zip(self.layer_leaf, cfg.windows)}
         params = kvpkg.KVCacheParams(page_size=page_size, num_layers=cfg.num_layers, kv_heads=cfg.kv_heads,
-                                     head_dim=cfg.head_dim, dtype=dtype, host_offload_bytes=host_bytes)
+                                     head_dim=cfg.head_dim, dtype=dtype, host_offload_bytes=host_bytes,
+                                     leaves=leaves)
         self.mgr = kvpkg.PagedKVCacheManager(params, num_blocks=num_blocks, max_batch_size=max_batch_size,
                                              max_seq_len=max_seq_len)
 
@@ -347,6 +355,20 @@ class ManagerServer:
             self.on_admit(mgr, ctx)
         return True
 
+    def _wait_for_pages(self, waiting) -> None:
+        """Nothing runs and the head of the queue did not fit: only in-flight tier transfers
+        (which pin pages) can free pages now; wait for them, else the pool is too small."""
+        mgr = self.mgr
+        if not mgr.pending_transfers_exist():
+            raise RuntimeError(f"ManagerServer: request {waiting[0].req.request_id if isinstance(waiting[0], _Live) else waiting[0].request_id!r} "
+                               f"does not fit an idle pool of {mgr.block_count().total} blocks")
+        deadline = time.monotonic() + 30.0
+        while mgr.pending_transfers_exist():
+            if time.monotonic() > deadline:
+                raise RuntimeError("ManagerServer: tier transfers still pending after 30 s")
+            time.sleep(0.001)
+            mgr.poll_transfers()
+
     def serve(self, requests: Sequence[Request]) -> ServeResult:
         """Serve every request to completion; return tokens, logits and stats."""
         requests = _validate_requests(requests)
@@ -375,6 +397,9 @@ class ManagerServer:
                         break
                     running.append(live)
                     waiting.remove(item)
+                if not running:
+                    self._wait_for_pages(waiting)
+                    continue
                 # 2. pages for this step's tokens; out of pages -> preempt the youngest
                 i = 0
                 while i < len(running):
@@ -398,7 +423,7 @@ class ManagerServer:
                 inputs = mgr.runtime_inputs([[l.ctx for l in running]]).inputs[0]
                 q_lens = [l.ctx.active_length for l in running]
                 feed = np.concatenate([l.ctx.active_tokens for l in running])
-                attend = PagedTableAttention(inputs, q_lens, self.model.config.windows)
+                attend = PagedTableAttention(inputs, q_lens, self.model.config.windows, self.layer_leaf)
                 positions = attend.positions
                 if self.past_offset:
                     positions = positions + self.past_offset * (positions >= 1)
