@@ -363,6 +363,13 @@ def _cmd_info(args) -> int:
     opt = ("cupy-cuda12x", "numba-cuda", "matplotlib", "asv", "pytest", "hypothesis", "mkdocs")
     lines.append("dependencies: " + ", ".join(f"{d} {_version(d) or 'MISSING'}" for d in deps))
     lines.append("optional: " + ", ".join(f"{d} {_version(d) or 'not installed'}" for d in opt))
+    from kvfast._cuda.emulate import ENV as _EMU, enabled as _emulated
+
+    if _emulated():  # a test device: say so before anything reports a GPU
+        import kvfast  # noqa: F401  (registers the emulated cupy)
+
+        lines.append(f"cuda emulation: ON ({_EMU}=1): device='cuda' runs on the CPU through kvfast's emulated "
+                     "CuPy and the host-compiled .cu kernels; not a GPU")
     ok, why = gpu_status()
     lines.append(f"devices: cpu ({os.cpu_count()} cores); gpu: {why if ok else 'none: ' + why}")
     found = backends_found()

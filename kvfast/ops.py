@@ -136,21 +136,32 @@ def _word_views(cache, layer: int, spec):
 
 
 def _append_kv_cuda(cache, layer, spec, k, v, step):  # pragma: no cover - needs a GPU
-    import cupy as cp
-
+    from ._cuda._module import cupy
     from ._cuda.append_kv import append_kv as launch
+    from ._cuda.convert import rows_contiguous, shape_proxy, to_device_storage
 
+    api = "append_kv"
+    cp = cupy()
     T = step.num_tokens
     K, V = cache.keys(layer), cache.values(layer)
     with cp.cuda.Device(cache._device):
-        k = cp.asarray(k).astype(K.dtype, copy=False)
-        v = cp.asarray(v).astype(V.dtype, copy=False)
-        for name, arr in (("k", k), ("v", v)):
-            if arr.shape != (T, spec.kv_heads, spec.head_dim):
-                raise ValueError(f"append_kv: {name}.shape={arr.shape} != ({T}, {spec.kv_heads}, {spec.head_dim})")
+        # The reference's conversion (bfloat16: round to nearest even, ml_dtypes' bits) and checks, same messages.
+        k = to_device_storage(api, "k", k, K.dtype, cache.config.dtype)
+        _ref_ops._check_heads(api, "k", shape_proxy(k), T, spec.kv_heads, spec.head_dim)
+        v = to_device_storage(api, "v", v, V.dtype, cache.config.dtype)
+        _ref_ops._check_heads(api, "v", shape_proxy(v), T, spec.kv_heads, spec.head_dim)
+        sm = cp.asarray(step.slot_mapping, cp.int64)
+        if sm.shape != (T,):
+            raise ValueError(f"{api}: step.slot_mapping.shape={sm.shape} != ({T},)")
+        if T == 0:
+            return
+        rows = K.shape[0] * K.shape[1]
+        if int(sm.max()) >= rows:  # one device sync; the kernel must not write past the storage
+            i = int(cp.flatnonzero(sm >= rows)[0])
+            raise IndexError(f"{api}: step.slot_mapping[{i}]={int(sm[i])} out of range [0, {rows})")
         bs, block_stride, row_stride = _geometry(cache, spec)
-        launch(cp.ascontiguousarray(k), cp.ascontiguousarray(v), K, V, cp.asarray(step.slot_mapping, cp.int64),
-               block_size=bs, block_stride=block_stride, row_stride=row_stride)
+        launch(rows_contiguous(k), rows_contiguous(v), K, V, sm, block_size=bs, block_stride=block_stride,
+               row_stride=row_stride)
 
 
 def gather_kv(cache, layer: int, slot: int) -> tuple[np.ndarray, np.ndarray]:

@@ -32,6 +32,7 @@ memory), so ``torch.from_dlpack`` gives a CPU tensor sharing it.
 
 from __future__ import annotations
 
+import importlib.machinery
 import os
 import sys
 import threading
@@ -664,7 +665,9 @@ def module() -> types.ModuleType:
     if _MODULE is not None:
         return _MODULE
     m = types.ModuleType("cupy", "kvfast's CPU stand-in for CuPy (KVFAST_CUDA_EMULATE=1); see kvfast._cuda.emulate")
+    m.__spec__ = importlib.machinery.ModuleSpec("cupy", None)  # importlib.util.find_spec("cupy") finds it
     cuda = types.ModuleType("cupy.cuda")
+    cuda.__spec__ = importlib.machinery.ModuleSpec("cupy.cuda", None)
     for name, v in dict(Device=Device, Stream=Stream, Event=Event, runtime=runtime, get_current_stream=get_current_stream,
                         get_elapsed_time=get_elapsed_time, alloc_pinned_memory=alloc_pinned_memory,
                         PinnedMemoryPointer=PinnedMemoryPointer, MemoryPointer=MemoryPointer,
