@@ -210,9 +210,11 @@ class Decoder:
         if tokens.ndim != 1 or positions.shape != tokens.shape:
             raise ValueError(f"Decoder.forward: tokens.shape={tokens.shape} and positions.shape={positions.shape} must be equal 1-D")
         if tokens.size and (tokens.min() < 0 or tokens.max() >= cfg.vocab_size):
-            raise ValueError(f"Decoder.forward: token ids out of range [0, {cfg.vocab_size})")
+            bad = int(tokens[(tokens < 0) | (tokens >= cfg.vocab_size)][0])
+            raise ValueError(f"Decoder.forward: token id {bad} out of range [0, vocab_size={cfg.vocab_size})")
         if positions.size and (positions.min() < 0 or positions.max() >= cfg.max_positions):
-            raise ValueError(f"Decoder.forward: positions out of range [0, {cfg.max_positions})")
+            bad = int(positions[(positions < 0) | (positions >= cfg.max_positions)][0])
+            raise ValueError(f"Decoder.forward: position {bad} out of range [0, max_positions={cfg.max_positions})")
         T = tokens.size
         x = w.embed[tokens]
         for layer in range(cfg.num_layers):

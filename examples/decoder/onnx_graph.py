@@ -11,10 +11,10 @@ the output projection. ONNX Runtime keeps the cache (``present_*`` fed back
 as ``past_*``), one request at a time: an independent implementation of the
 attention, the rotary positions and the cache.
 
-``kv_round="bfloat16"`` applies the rotary with ``RotaryEmbedding`` outside
-the attention op and rounds K and V through bfloat16 (``Cast``) before the
-op caches them: the graph then sees exactly the K/V a bfloat16 kvcache
-stores.
+``kv_round="bfloat16"`` (or ``"float16"``) applies the rotary with
+``RotaryEmbedding`` outside the attention op and rounds K and V through that
+dtype (``Cast``) before the op caches them: the graph then sees the K/V a
+bfloat16 (float16) kvcache stores.
 """
 
 from __future__ import annotations
@@ -40,13 +40,15 @@ def build_onnx_model(cfg: DecoderConfig, w: DecoderWeights, kv_round: Optional[s
     ----------
     cfg : DecoderConfig
     w : DecoderWeights
-    kv_round : {None, "bfloat16"}
-        Round K/V through this dtype before they are cached.
+    kv_round : {None, "bfloat16", "float16"}
+        Round K/V through this dtype before they are cached (the storage
+        dtype of the kvcache under test).
     """
     from onnx import TensorProto, helper, numpy_helper
 
-    if kv_round not in (None, "bfloat16"):
-        raise ValueError(f"build_onnx_model: kv_round={kv_round!r}, must be None or 'bfloat16'")
+    rounding = {None: None, "bfloat16": TensorProto.BFLOAT16, "float16": TensorProto.FLOAT16}
+    if kv_round not in rounding:
+        raise ValueError(f"build_onnx_model: kv_round={kv_round!r}, must be None, 'bfloat16' or 'float16'")
     nodes, inits = [], []
 
     def init(name, arr):
@@ -96,8 +98,8 @@ def build_onnx_model(cfg: DecoderConfig, w: DecoderWeights, kv_round: Optional[s
                      num_heads=cfg.kv_heads, interleaved=0)
             for name in ("k", "v"):
                 src = k if name == "k" else v
-                node("Cast", [src], [p + name + "_bf16"], to=TensorProto.BFLOAT16)
-                node("Cast", [p + name + "_bf16"], [p + name + "_rounded"], to=TensorProto.FLOAT)
+                node("Cast", [src], [p + name + "_narrow"], to=rounding[kv_round])
+                node("Cast", [p + name + "_narrow"], [p + name + "_rounded"], to=TensorProto.FLOAT)
             k, v = p + "k_rounded", p + "v_rounded"
             do_rotary = 0
         window = cfg.windows[l]
@@ -132,7 +134,7 @@ class OrtDecoder:
     ----------
     cfg : DecoderConfig
     w : DecoderWeights
-    kv_round : {None, "bfloat16"}
+    kv_round : {None, "bfloat16", "float16"}
         See :func:`build_onnx_model`.
     """
 
