@@ -135,8 +135,9 @@ def test_expected_failures_file(tmp_path):
     xfail.write_text(
         "# known departures of this backend\n"
         "test_slot_cache.py::test_last_token_is_never_a_hit   # hashes the whole prompt\n"
-        "test_manager.py::test_repeat_prompt\n"
-        "test_vectors.py::test_replay\n"
+        "~test_manager.py::test_repeat_prompt   # a substring entry\n"
+        "~test_vectors.py::test_replay\n"
+        "~test_manager_paths.py::\n"
         "test_nothing.py::test_gone\n",
         encoding="utf-8",
     )
@@ -298,3 +299,84 @@ def test_notes_are_python_source():
         assert eval(params_source(setup["params"]), ns) == setup["params"], params_source(setup["params"])
 
     check()
+
+
+# ---------------------------------------------------------------- conformance as a product (issue 18)
+
+
+def test_xfail_entries_match_exactly_unless_marked_substring(tmp_path):
+    """A plain entry is one exact id: ``test_vectors.py::test_replay`` (no params)
+    matches nothing, so it is reported unused and the failures stay failures."""
+    from kvspec.conformance.plugin import matches
+
+    tid = "test_slot_cache.py::test_admit_hit[paged]"
+    assert matches(tid, tid) and not matches("test_slot_cache.py::test_admit_hit", tid)
+    assert not matches("test_slot_cache.py::test_admit_hit[pag", tid)
+    assert matches("~test_admit_hit", tid) and matches("~[paged]", tid) and not matches("~[contiguous]", tid)
+    xfail = tmp_path / "xfail.txt"
+    xfail.write_text("test_manager.py::test_repeat_prompt\n", encoding="utf-8")
+    proc = run_suite("--kv-backend=tests.broken_backends.last_token_hashed:factory", f"--kv-xfail={xfail}",
+                     "-k", "test_repeat_prompt")
+    assert proc.returncode == 1 and " failed" in proc.stdout and "xfailed" not in proc.stdout, _tail(proc)
+    assert "test_manager.py::test_repeat_prompt (--kv-xfail)" in proc.stdout, _tail(proc)
+
+
+def test_skips_file(tmp_path):
+    skips = tmp_path / "skips.txt"
+    skips.write_text("~test_vectors.py::\ntest_slot_cache.py::test_accessor_errors[paged]  # not yet\n",
+                     encoding="utf-8")
+    proc = run_suite("--kv-backend=kvref", f"--kv-skips={skips}", "-rs", "-k", "vectors or accessor_errors")
+    assert proc.returncode == 0, _tail(proc)
+    assert "listed in the skips file: not yet" in proc.stdout, _tail(proc)
+    assert "test_accessor_errors[contiguous]" not in proc.stdout and "1 passed" in proc.stdout, _tail(proc)
+    assert "kvcache skips: 2 entries" in proc.stdout
+
+
+def test_suite_and_spec_version_options():
+    from kvspec.conformance import plugin
+
+    proc = run_suite("--kv-backend=kvref", "-k", "accessor_errors", f"--kv-spec-version={plugin.SPEC_VERSION}",
+                     "--kv-max-examples=2")
+    assert proc.returncode == 0, _tail(proc)
+    assert f"kvcache conformance suite {plugin.SUITE_VERSION}; spec version {plugin.SPEC_VERSION}" in proc.stdout
+    bad = run_suite("--kv-backend=kvref", "--kv-spec-version=0.0")
+    assert bad.returncode == 4 and "--kv-spec-version=0.0: not one of" in bad.stdout + bad.stderr, _tail(bad)
+    bad = run_suite("--kv-backend=kvref", "--kv-max-examples=0")
+    assert bad.returncode == 4 and "--kv-max-examples=0: must be >= 1" in bad.stdout + bad.stderr, _tail(bad)
+
+
+def _repro_of(proc) -> str:
+    marker = "---- reproduction: paste into repro.py and run `python repro.py` ----\n"
+    assert marker in proc.stdout, _tail(proc, 80)
+    return proc.stdout.split(marker, 1)[1].split("\n=====", 1)[0]
+
+
+@pytest.mark.parametrize("module,select", [
+    ("off_by_one_slot_mapping", "kvcache_comparison"),   # a state machine, shrunk
+    ("head_first_eviction", "manager_comparison"),
+    ("no_state_zeroing", "test_slot_cache.py"),           # a method test's own assert
+])
+def test_failure_prints_a_reproduction_that_runs(tmp_path, module, select):
+    """The report has no harness frames and ends in a script that, saved to a
+    file and run as printed, fails with the same AssertionError."""
+    proc = run_suite(f"--kv-backend=tests.broken_backends.{module}:factory", "-x", "-k", select,
+                     "--kv-shrink-seconds=5")
+    assert proc.returncode == 1, _tail(proc)
+    assert "_compare.py:" not in proc.stdout and "def assert_same" not in proc.stdout, _tail(proc, 80)
+    script = _repro_of(proc)
+    path = tmp_path / "repro.py"
+    path.write_text(script, encoding="utf-8")
+    r = subprocess.run([sys.executable, str(path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "AssertionError" in r.stderr, (script, r.stderr[-3000:])
+
+
+def test_reproduction_renders_arrays_exactly():
+    import ml_dtypes
+
+    from kvspec.conformance._compare import array_source
+
+    ns = {"np": np, "ml_dtypes": ml_dtypes}
+    for a in (np.array([[1.5, -0.0], [65504, 2**-24]], np.float16), np.arange(6, dtype=np.int32).reshape(2, 3),
+              np.array([1.0, 3.140625], ml_dtypes.bfloat16), np.array([np.nan, np.inf], np.float32)):
+        b = eval(array_source(a), ns)
+        assert b.dtype == a.dtype and b.shape == a.shape and b.tobytes() == a.tobytes(), array_source(a)

@@ -17,7 +17,15 @@ from typing import Any, Callable, ContextManager
 
 from .._config import parse_device
 
-__all__ = ["Backend", "CAPABILITIES", "ENTRY_POINT_GROUP", "ENV_BACKEND", "resolve_backend", "backend_names"]
+__all__ = ["Backend", "CAPABILITIES", "ENTRY_POINT_GROUP", "ENV_BACKEND", "resolve_backend", "backend_names", "spec_of"]
+
+#: The ``resolve_backend`` spec each backend name was built from (for reproductions).
+_SPECS: dict[str, str] = {}
+
+
+def spec_of(backend: "Backend") -> str:
+    """The spec ``resolve_backend`` built ``backend`` from (``""`` when it was built otherwise)."""
+    return _SPECS.get(backend.name, "")
 
 #: Entry-point group in which packages register backend factories.
 ENTRY_POINT_GROUP = "kvcache.backends"
@@ -37,7 +45,7 @@ CAPABILITIES: dict[str, str] = {
     "replicas": "the manager supports data_parallel_degree > 1",
     "prefix_caching": "the manager's prefix cache (hits, publish at step, twin dedup)",
     "recurrent_leaf": "manager leaves of LeafKind.RECURRENT",
-    "strict_block_ids": "block ids and free order equal kvref's (DESIGN §4.2); exposes _free_order()",
+    "strict_block_ids": "block ids and free order equal kvref's (spec/slot-cache.md); exposes _free_order()",
     "invariants": "objects have check_invariants() raising AssertionError",
 }
 
@@ -62,8 +70,8 @@ class Backend:
     make_manager : callable(params, *, num_blocks, max_batch_size, max_seq_len, device="cpu", connector=None), optional
         Builds a ``PagedKVCacheManager``; required when ``"manager"`` is declared.
     ops : module, optional
-        Provides ``append_kv``, ``gather_kv`` and ``varlen_attention`` (DESIGN
-        §4.4) for the backend's caches. Without it the suite writes K/V
+        Provides ``append_kv``, ``gather_kv`` and ``varlen_attention`` (see
+        ``spec/slot-cache.md``) for the backend's caches. Without it the suite writes K/V
         through ``StepIndices.slot_mapping`` into the live ``keys()``/``values()``
         views and skips the attention tests.
     capabilities : frozenset of str
@@ -77,7 +85,7 @@ class Backend:
         While the context is active, the backend's block hash ignores the
         block's tokens (``h_i = H(h_{i-1})``), so every prompt collides with
         every other at each depth. The collision test uses it to prove that
-        hits verify stored tokens (DESIGN §6). Without it that test skips.
+        hits verify stored tokens (spec/hashing.md). Without it that test skips.
 
     Raises
     ------
@@ -219,6 +227,7 @@ def resolve_backend(spec: str | None = None) -> Backend:
     backend = obj() if callable(obj) and not isinstance(obj, Backend) else obj
     if not isinstance(backend, Backend):
         raise TypeError(f"resolve_backend: {target} returned {type(backend).__name__}, must return a kvspec.conformance.Backend")
+    _SPECS[backend.name] = spec
     return backend
 
 

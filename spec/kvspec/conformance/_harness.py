@@ -14,7 +14,7 @@ import numpy as np
 from .._config import KVCacheMode, LayerKind
 from ..strategies import exact_values
 from ._backend import Backend
-from ._compare import Outcome, assert_same, assert_same_outcome, capture
+from ._compare import Outcome, assert_same, assert_same_outcome, begin_reproduction, capture, record
 from .machine import cache_snapshot, scatter_kv
 
 __all__ = ["CachePair", "ManagerPair", "ManualConnector", "write_step"]
@@ -62,6 +62,7 @@ class CachePair:
         self.ref = oracle.make_cache(config, specs)
         self.sut = backend.build_cache(config, specs)
         self.paged = config.mode is KVCacheMode.PAGED
+        begin_reproduction("cache", backend, config=config, specs=self.specs)
 
     def snapshot(self, cache) -> dict:
         strict = cache is self.ref or self.backend.supports("strict_block_ids")
@@ -69,10 +70,12 @@ class CachePair:
 
     def call(self, label: str, fn: Callable[[Any, Any], Any]) -> tuple[Outcome, Outcome]:
         """Run ``fn(cache, ops)`` on both; assert the same outcome and, after a
-        raise, unchanged state. Returns both outcomes."""
+        raise, unchanged state. Returns both outcomes. ``label`` is the call as
+        Python source on ``cache`` and ``ops`` (it goes into the reproduction)."""
+        __tracebackhide__ = True
         before = (self.snapshot(self.ref), self.snapshot(self.sut))
         r = capture(lambda: fn(self.ref, self.oracle.ops))
-        s = capture(lambda: fn(self.sut, self.backend.ops))
+        s = capture(lambda: fn(self.sut, self.backend.ops), source=label)
         assert_same_outcome(label, r, s)
         if r.raised:
             assert_same(before[0], self.snapshot(self.ref), f"{label} [kvref state after raise]")
@@ -81,6 +84,7 @@ class CachePair:
 
     def ok(self, label: str, fn):
         """``call`` that must succeed; returns (kvref value, backend value)."""
+        __tracebackhide__ = True
         r, s = self.call(label, fn)
         if r.raised:
             raise AssertionError(f"{label}: kvref raised {r.exc!r}; the test expects success")
@@ -88,6 +92,7 @@ class CachePair:
 
     def raises(self, label: str, fn, exc_type: type) -> str:
         """``call`` that must raise ``exc_type`` on both; returns the message."""
+        __tracebackhide__ = True
         r, s = self.call(label, fn)
         if not r.raised or not isinstance(r.exc, exc_type):
             raise AssertionError(f"{label}: kvref gave {r.exc or r.value!r}, the test expects {exc_type.__name__}")
@@ -95,12 +100,14 @@ class CachePair:
 
     def write(self, slot: int, n: int, seed: int = 0):
         """``write_step`` on both sides; returns the K/V written (same on both)."""
+        __tracebackhide__ = True
         w, _ = self.ok(f"write_step(cache, ops, {slot}, {n}, seed={seed})",
                        lambda c, ops: write_step(c, ops, slot, n, seed))
         return w
 
     def agree(self) -> None:
         """Invariants on both, then the full observable state compared."""
+        __tracebackhide__ = True
         self.ref.check_invariants()
         if self.backend.supports("invariants"):
             self.sut.check_invariants()
@@ -134,6 +141,7 @@ class ManagerPair:
         self.sut = backend.build_manager(params, connector=connectors[1], **kw)
         self.ctx_ref: dict = {}
         self.ctx_sut: dict = {}
+        begin_reproduction("manager", backend, params=params, kw=kw, connector=connectors[0] is not None)
 
     @property
     def strict(self) -> bool:
@@ -143,6 +151,7 @@ class ManagerPair:
         """A request ``rid`` with ``tokens`` on both sides (not claimed)."""
         from .._manager_types import TextContext
 
+        record(f"ctx_{rid} = TextContext({rid!r}, np.array({[int(t) for t in tokens]}, np.int32), cache_salt={cache_salt!r})")
         self.ctx_ref[rid] = TextContext(rid, np.array(tokens, np.int32), cache_salt=cache_salt)
         self.ctx_sut[rid] = TextContext(rid, np.array(tokens, np.int32), cache_salt=cache_salt)
 
@@ -151,10 +160,12 @@ class ManagerPair:
                 self._snapshot(self.sut, self.ctx_sut, strict=self.strict))
 
     def call(self, label: str, fn) -> tuple[Outcome, Outcome]:
-        """``fn(manager, contexts)`` on both; same outcome; no state change after a raise."""
+        """``fn(manager, contexts)`` on both; same outcome; no state change after a raise.
+        ``label`` is the call as Python source on ``manager`` and ``ctx_<rid>``."""
+        __tracebackhide__ = True
         before = self.snapshots()
         r = capture(lambda: fn(self.ref, self.ctx_ref))
-        s = capture(lambda: fn(self.sut, self.ctx_sut))
+        s = capture(lambda: fn(self.sut, self.ctx_sut), source=label)
         assert_same_outcome(label, r, s)
         if r.raised:
             after = self.snapshots()
@@ -163,12 +174,16 @@ class ManagerPair:
         return r, s
 
     def ok(self, label: str, fn):
+        """``call`` that must succeed; returns (kvref value, backend value)."""
+        __tracebackhide__ = True
         r, s = self.call(label, fn)
         if r.raised:
             raise AssertionError(f"{label}: kvref raised {r.exc!r}; the test expects success")
         return r.value, s.value
 
     def raises(self, label: str, fn, exc_type: type) -> str:
+        """``call`` that must raise ``exc_type`` on both; returns the message."""
+        __tracebackhide__ = True
         r, s = self.call(label, fn)
         if not r.raised or not isinstance(r.exc, exc_type):
             raise AssertionError(f"{label}: kvref gave {r.exc or r.value!r}, the test expects {exc_type.__name__}")
@@ -178,13 +193,17 @@ class ManagerPair:
         """``alloc`` then a forward (K/V written) then ``update(token)`` and ``step``."""
         from .manager_machine import write_forward
 
-        self.ok(f"manager.alloc(ctx_{rid})", lambda m, cs: m.alloc(cs[rid]).is_complete())
+        __tracebackhide__ = True
+        self.ok(f"manager.alloc(ctx_{rid}).is_complete()", lambda m, cs: m.alloc(cs[rid]).is_complete())
+        record(f"write_forward(manager, ctx_{rid}, {seed}, {replica_idx}); ctx_{rid}.update({token})")
         for m, cs in ((self.ref, self.ctx_ref), (self.sut, self.ctx_sut)):
             write_forward(m, cs[rid], seed, replica_idx)
             cs[rid].update(token)
         self.ok(f"manager.step(ctx_{rid})", lambda m, cs: m.step(cs[rid]))
 
     def agree(self) -> None:
+        """Invariants on both, then the manager state (and contexts) compared."""
+        __tracebackhide__ = True
         self.ref.check_invariants()
         if self.backend.supports("invariants"):
             self.sut.check_invariants()

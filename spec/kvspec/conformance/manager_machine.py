@@ -17,14 +17,13 @@ device buffer bytes (the last two only with ``strict_block_ids``).
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from .. import strategies as kst
 from .._manager_types import DEFAULT_LEAF_ID, TextContext
 from ._backend import Backend, BackendBound
-from ._compare import assert_same, assert_same_outcome, capture, params_source, to_numpy
+from ._compare import assert_same, assert_same_outcome, begin_reproduction, capture, record, to_numpy
 
 __all__ = ["ManagerComparison", "write_forward", "manager_snapshot", "context_state"]
 
@@ -132,10 +131,10 @@ class ManagerComparison(BackendBound, RuleBasedStateMachine):
         §5); when transfers were pending, that landing may change state before
         a raise, so only the agreement with kvref is checked then.
         """
-        note(label)
+        __tracebackhide__ = True
         before = self._snaps()
         r = capture(lambda: fn(self.ref, self.ctx_ref))
-        s = capture(lambda: fn(self.sut, self.ctx_sut))
+        s = capture(lambda: fn(self.sut, self.ctx_sut), source=label)
         assert_same_outcome(label, r, s)
         if r.raised:
             after = self._snaps()
@@ -173,8 +172,7 @@ class ManagerComparison(BackendBound, RuleBasedStateMachine):
             from ._harness import ManualConnector
 
             self.conns = (ManualConnector(), ManualConnector())
-        conn = "ManualConnector()" if self.conns[0] else "None"
-        note(f"manager = make_manager({params_source(self.params)}, **{kw!r}, connector={conn})")
+        begin_reproduction("manager", self.backend, params=self.params, kw=kw, connector=self.conns[0] is not None)
         self.ref = self.oracle.make_manager(self.params, connector=self.conns[0], **kw)
         self.sut = self.backend.build_manager(self.params, connector=self.conns[1], **kw)
         self._start_requests(data)
@@ -192,10 +190,11 @@ class ManagerComparison(BackendBound, RuleBasedStateMachine):
                 self.replica_of[rid] = 0
         if self.conns[0] is not None and self.replica_of.get("r0") == 0:
             # Warm the tier: r0 runs one forward, its blocks are offloaded, then it is preempted.
-            if self._both("manager.alloc(ctx_r0)", lambda m, cs: m.alloc(cs["r0"]).is_complete(), drains=True) is not None:
+            if self._both("manager.alloc(ctx_r0).is_complete()", lambda m, cs: m.alloc(cs["r0"]).is_complete(), drains=True) is not None:
                 self._forward("r0", data)
             self._both("manager.poll_transfers()", lambda m, cs: m.poll_transfers())
             if self._both("manager.release(ctx_r0)", lambda m, cs: m.release(cs["r0"])) is not None:
+                record("ctx_r0.reset()")
                 self.ctx_ref["r0"].reset()
                 self.ctx_sut["r0"].reset()
             # Only the tier holds r0's prefix now: the next alloc sharing it loads.
@@ -231,7 +230,7 @@ class ManagerComparison(BackendBound, RuleBasedStateMachine):
         self.n_requests += 1
         cap = self.max_seq_len + 1 if data.draw(_RARE, label="too long") else self.max_seq_len - 1
         tokens = np.array(prompt[: max(cap, 1)], np.int32)
-        note(f"ctx_{rid} = TextContext({rid!r}, {tokens.tolist()}, cache_salt={salt!r})")
+        record(f"ctx_{rid} = TextContext({rid!r}, np.array({tokens.tolist()}, np.int32), cache_salt={salt!r})")
         self.ctx_ref[rid] = TextContext(rid, tokens, cache_salt=salt)
         self.ctx_sut[rid] = TextContext(rid, tokens, cache_salt=salt)
 
@@ -252,7 +251,7 @@ class ManagerComparison(BackendBound, RuleBasedStateMachine):
                         prefer=lambda i: i not in self.allocated)
         if rid is None:
             return
-        out = self._both(f"manager.alloc(ctx_{rid})", lambda m, cs: m.alloc(cs[rid]).is_complete(), drains=True)
+        out = self._both(f"manager.alloc(ctx_{rid}).is_complete()", lambda m, cs: m.alloc(cs[rid]).is_complete(), drains=True)
         if out is not None:
             self.allocated.add(rid)
 
@@ -263,7 +262,7 @@ class ManagerComparison(BackendBound, RuleBasedStateMachine):
         if rid is None or rid in self.allocated or self.ctx_ref[rid].active_length < 2:
             return
         n = data.draw(st.integers(1, self.ctx_ref[rid].active_length - 1), label="n")
-        note(f"ctx_{rid}.chunk({n})")
+        record(f"ctx_{rid}.chunk({n})")
         self.ctx_ref[rid].chunk(n)
         self.ctx_sut[rid].chunk(n)
 
@@ -282,7 +281,8 @@ class ManagerComparison(BackendBound, RuleBasedStateMachine):
         """Write the active tokens' K/V, ``update`` (or ``advance_chunk``), then ``step``."""
         seed = data.draw(st.integers(0, 2**16), label="kv seed")
         token = data.draw(kst.token_ids(), label="token")
-        note(f"write_forward(manager, ctx_{rid}, seed={seed}); ctx_{rid}.update({token})")
+        then = "advance_chunk()" if self.ctx_ref[rid].pending_length else f"update({token})"
+        record(f"write_forward(manager, ctx_{rid}, {seed}, {self.replica_of[rid]}); ctx_{rid}.{then}")
         for m, cs in ((self.ref, self.ctx_ref), (self.sut, self.ctx_sut)):
             write_forward(m, cs[rid], seed, self.replica_of[rid])
             if cs[rid].pending_length:
@@ -299,7 +299,7 @@ class ManagerComparison(BackendBound, RuleBasedStateMachine):
             return
         out = self._both(f"manager.release(ctx_{rid})", lambda m, cs: m.release(cs[rid]))
         if out is not None:
-            note(f"ctx_{rid}.reset()  # preempted: recompute from scratch")
+            record(f"ctx_{rid}.reset()  # preempted: recompute from scratch")
             self.ctx_ref[rid].reset()
             self.ctx_sut[rid].reset()
             self.allocated.discard(rid)
@@ -343,7 +343,8 @@ class ManagerComparison(BackendBound, RuleBasedStateMachine):
                 out.append(view)
             return out
 
-        self._both(f"manager.runtime_inputs({batches}, max_cache_length={mcl})", call)
+        ctxs = "[" + ", ".join("[" + ", ".join(f"ctx_{rid}" for rid in b) + "]" for b in batches) + "]"
+        self._both(f"manager.runtime_inputs({ctxs}, max_cache_length={mcl})", call)
 
     @rule(data=st.data(), gate=st.booleans())
     def get_prefix_cache_hit_counts(self, data, gate):
@@ -351,14 +352,14 @@ class ManagerComparison(BackendBound, RuleBasedStateMachine):
             return
         prompt = self._shared_prompt(data)
         tokens = np.array(prompt[: self.max_seq_len], np.int32)
-        self._both(f"manager.get_prefix_cache_hit_counts(TextContext('probe', {tokens.tolist()}))",
+        self._both(f"manager.get_prefix_cache_hit_counts(TextContext('probe', np.array({tokens.tolist()}, np.int32)))",
                    lambda m, cs: m.get_prefix_cache_hit_counts(TextContext("probe", tokens)))
 
     @precondition(lambda self: self.ref is not None and self.conns[0] is not None and self.conns[0].pending)
     @rule()
     def land_transfers(self):
         """Land every pending connector load on both sides (the copies finish)."""
-        note("connector.land()")
+        record("connector.land()")
         assert self.conns[0].land() == self.conns[1].land(), "pending loads differ between kvref and the backend"
 
     @precondition(lambda self: self.ref is not None and self.conns[0] is not None and self.conns[0].pending)
@@ -366,7 +367,7 @@ class ManagerComparison(BackendBound, RuleBasedStateMachine):
     def fail_transfers(self, gate):
         """Fail every pending load on both sides (one draw in two): the copy broke."""
         if gate:
-            note("connector.fail()")
+            record("connector.fail()")
             assert self.conns[0].fail() == self.conns[1].fail(), "pending loads differ between kvref and the backend"
 
     @rule(gate=_RARE)

@@ -189,7 +189,8 @@ def test_evict_batch_zeroes_state_and_cross(kv_backend, kv_oracle, mode):
             c.conv_state(1, i)[1] = 2.0
         c.recurrent_state(1)[1] = 3.0
 
-    p.ok("fill + write state of slot 1", dirty)
+    p.ok("cache.fill(2, 1, np.full((2, 1, 2), 1.5, np.float16), np.full((2, 1, 2), 1.5, np.float16)); "
+         "cache.conv_state(1, 0)[1] = 2.0; cache.conv_state(1, 1)[1] = 2.0; cache.recurrent_state(1)[1] = 3.0", dirty)
     p.ok("cache.evict_batch(1)", lambda c, o: c.evict_batch(1))
     for i in range(2):
         assert not to_numpy(p.sut.conv_state(1, i))[1].any(), f"conv_state(1, {i})[1] not zeroed by evict_batch"
@@ -243,8 +244,8 @@ def test_last_token_is_never_a_hit(kv_backend, kv_oracle):
     prompt = [3, 1, 4, 1, 5, 9]
     p.ok("cache.admit(0, prompt)", lambda c, o: c.admit(0, _i32(prompt)))
     p.write(0, 6, seed=7)
-    p.ok("cache.retire(0, prompt)", lambda c, o: c.retire(0, _i32(prompt)))
-    hit = p.ok("cache.admit(1, prompt)", lambda c, o: c.admit(1, _i32(prompt)))[1]
+    p.ok(f"cache.retire(0, np.array({prompt}, np.int32))", lambda c, o: c.retire(0, _i32(prompt)))
+    hit = p.ok(f"cache.admit(1, np.array({prompt}, np.int32))", lambda c, o: c.admit(1, _i32(prompt)))[1]
     assert hit == 4, f"admit of a fully published prompt hit {hit}, expected 4 (len 6 - 1, whole blocks)"
     p.agree()
 
@@ -300,16 +301,16 @@ def test_state_checkpoint_roundtrip(kv_backend, kv_oracle):
     specs = [KVLayerSpec.attention(1, 2), KVLayerSpec.state((2,), 2, (1, 2, 2))]
     p = _pair(kv_backend, kv_oracle, specs=specs)
     prompt = [1, 2, 3, 4, 5]
-    p.ok("cache.admit(0, prompt)", lambda c, o: c.admit(0, _i32(prompt)))
+    p.ok(f"cache.admit(0, np.array({prompt}, np.int32))", lambda c, o: c.admit(0, _i32(prompt)))
     p.write(0, 4, seed=2)
 
     def set_state(c, o):
         c.conv_state(1, 0)[0] = 1.25
         c.recurrent_state(1)[0] = -0.5
 
-    p.ok("write state of slot 0", set_state)
-    p.ok("cache.retire(0, prompt)", lambda c, o: c.retire(0, _i32(prompt)))
-    hit = p.ok("cache.admit(1, prompt)", lambda c, o: c.admit(1, _i32(prompt)))[1]
+    p.ok("cache.conv_state(1, 0)[0] = 1.25; cache.recurrent_state(1)[0] = -0.5", set_state)
+    p.ok(f"cache.retire(0, np.array({prompt}, np.int32))", lambda c, o: c.retire(0, _i32(prompt)))
+    hit = p.ok(f"cache.admit(1, np.array({prompt}, np.int32))", lambda c, o: c.admit(1, _i32(prompt)))[1]
     assert hit == 4, f"hybrid admit hit={hit}, expected 4 (checkpoint at the block boundary 4)"
     assert (to_numpy(p.sut.recurrent_state(1))[1] == -0.5).all(), "checkpointed recurrent state not restored"
     p.agree()
