@@ -14,21 +14,20 @@ Run it for a backend with::
     from hypothesis.stateful import run_state_machine_as_test
     run_state_machine_as_test(KVCacheComparison.for_backend(backend))
 
-Each call is ``note()``-d as Python source, so a failure prints a replayable
-script (``cache`` is the backend's object).
+Each call is recorded as Python source (``capture(source=...)``), so a failure
+carries a paste-ready script that replays it (``_compare.Reproduction``).
 """
 
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, multiple, precondition, rule
 
 from .. import strategies as kst
 from .._config import KVCacheMode, LayerKind
 from ._backend import Backend, BackendBound
-from ._compare import assert_same, assert_same_outcome, capture, config_source, data_ptr, specs_source, to_numpy
+from ._compare import assert_same, assert_same_outcome, begin_reproduction, capture, data_ptr, record, to_numpy
 
 __all__ = ["KVCacheComparison", "scatter_kv", "cache_snapshot", "live_kv"]
 
@@ -121,15 +120,16 @@ class KVCacheComparison(BackendBound, RuleBasedStateMachine):
     def _snap(self, cache, side: str) -> dict:
         return cache_snapshot(cache, self.specs, free_order=(side == "ref" or self.strict) and self.paged)
 
-    def _both(self, label: str, fn):
+    def _both(self, label: str, fn, values: dict | None = None):
         """Apply ``fn(cache, ops)`` to both sides; same outcome; no state change after a raise.
 
-        Returns the pair of values when both returned.
+        ``label`` is the call as Python source (recorded for the reproduction,
+        with the arrays ``values`` it names). Returns the pair of values when both returned.
         """
-        note(label)
+        __tracebackhide__ = True
         before = (self._snap(self.ref, "ref"), self._snap(self.sut, "sut"))
         r = capture(lambda: fn(self.ref, self.oracle.ops))
-        s = capture(lambda: fn(self.sut, self.backend.ops))
+        s = capture(lambda: fn(self.sut, self.backend.ops), source=label, values=values)
         assert_same_outcome(label, r, s)
         if r.raised:
             assert_same(before[0], self._snap(self.ref, "ref"), f"{label} [kvref state after raise]")
@@ -169,7 +169,7 @@ class KVCacheComparison(BackendBound, RuleBasedStateMachine):
         self.cfg, self.specs = cfg, specs
         self.paged = cfg.mode is KVCacheMode.PAGED
         self.S, self.L, self.P = cfg.max_seqs, cfg.max_seq_len, cfg.block_size
-        note(f"cache = make_cache({config_source(cfg)}, {specs_source(specs)})")
+        begin_reproduction("cache", self.backend, config=cfg, specs=specs)
         self.ref = self.oracle.make_cache(cfg, specs)
         self.sut = self.backend.build_cache(cfg, specs)
         self.seqtok = {s: [] for s in range(self.S)}
@@ -225,7 +225,7 @@ class KVCacheComparison(BackendBound, RuleBasedStateMachine):
             past = past + [0]
         args = (np.array(cu, np.int32), np.array(past, np.int32), np.array(slots, np.int32))
         out = self._both(
-            f"step = cache.prepare_step({cu}, {past}, {slots})",
+            f"step = cache.prepare_step(np.array({cu}, np.int32), np.array({past}, np.int32), np.array({slots}, np.int32))",
             lambda c, ops: c.prepare_step(*args),
         )
         self.step = None
@@ -250,7 +250,7 @@ class KVCacheComparison(BackendBound, RuleBasedStateMachine):
                     return scatter_kv(c, l, k, v, st_)
                 return ops.append_kv(c, l, k, v, st_)
 
-            self._both(f"ops.append_kv(cache, {l}, k, v, step)  # k, v: {k.shape} {k.dtype}", call)
+            self._both(f"ops.append_kv(cache, {l}, k, v, step)", call, values={"k": k, "v": v})
         for s, p, n in rows:
             self.fresh[s].update(range(p, p + n))
 
@@ -279,7 +279,7 @@ class KVCacheComparison(BackendBound, RuleBasedStateMachine):
         if slots and data.draw(_RARE, label="fault"):
             n[0] = self.L + 1 - seq[slots[0]]
         out = self._both(
-            f"cache.reserve({slots}, {n})",
+            f"cache.reserve(np.array({slots}, np.int64), np.array({n}, np.int64))",
             lambda c, ops: c.reserve(np.array(slots, np.int64), np.array(n, np.int64)),
         )
         self.step = None
@@ -295,7 +295,7 @@ class KVCacheComparison(BackendBound, RuleBasedStateMachine):
         layers = self._layers(*_ATTN)
         l = self._pick(data, st.sampled_from(layers), [len(self.specs)], "layer")
         s = self._pick(data, st.integers(0, self.S - 1), [self.S], "slot")
-        self._both(f"ops.gather_kv(cache, {l}, {s})", lambda c, ops: tuple(to_numpy(x).copy() for x in ops.gather_kv(c, l, s)))
+        self._both(f"tuple(np.asarray(x) for x in ops.gather_kv(cache, {l}, {s}))", lambda c, ops: tuple(to_numpy(x).copy() for x in ops.gather_kv(c, l, s)))
 
     @precondition(lambda self: self.step is not None and self.backend.ops is not None and self.strict)
     @rule(data=st.data())
@@ -307,9 +307,9 @@ class KVCacheComparison(BackendBound, RuleBasedStateMachine):
         l = data.draw(st.sampled_from(self._layers(*_ATTN, LayerKind.CROSS_ATTENTION)), label="layer")
         sp = self.specs[l]
         q = data.draw(kst.kv_arrays((T, sp.kv_heads * data.draw(st.integers(1, 2), label="group"), sp.head_dim), "float32"), label="q")
-        note(f"ops.varlen_attention(q, cache, {l}, step)  # q: {q.shape}")
         r = capture(lambda: self.oracle.ops.varlen_attention(q, self.ref, l, ref_step))
-        s = capture(lambda: self.backend.ops.varlen_attention(q, self.sut, l, sut_step))
+        s = capture(lambda: self.backend.ops.varlen_attention(q, self.sut, l, sut_step),
+                    source=f"ops.varlen_attention(q, cache, {l}, step)", values={"q": q})
         if r.raised or s.raised:
             assert_same_outcome(f"ops.varlen_attention(q, cache, {l}, step)", r, s)
             return
@@ -347,7 +347,7 @@ class KVCacheComparison(BackendBound, RuleBasedStateMachine):
         shape = (t, sp.kv_heads or 1, sp.head_dim or 1)
         k = data.draw(kst.kv_arrays(shape, self.cfg.dtype), label="k")
         v = data.draw(kst.kv_arrays(shape, self.cfg.dtype), label="v")
-        self._both(f"cache.fill({l}, {s}, k, v)  # k, v: {shape} {k.dtype}", lambda c, ops: c.fill(l, s, k, v))
+        self._both(f"cache.fill({l}, {s}, k, v)", lambda c, ops: c.fill(l, s, k, v), values={"k": k, "v": v})
 
     # ------------------------------------------------------------------ prefix reuse
 
@@ -364,7 +364,7 @@ class KVCacheComparison(BackendBound, RuleBasedStateMachine):
             s = data.draw(st.integers(0, self.S), label="slot")
         addr = data.draw(st.one_of(st.just(-1), st.just(-1), st.integers(-2, len(prompt) + 1)), label="addressable_len")
         out = self._both(
-            f"cache.admit({s}, {prompt}, {addr})",
+            f"cache.admit({s}, np.array({prompt}, np.int32), {addr})",
             lambda c, ops: c.admit(s, np.array(prompt, np.int32), addr),
         )
         self.step = None
@@ -385,7 +385,7 @@ class KVCacheComparison(BackendBound, RuleBasedStateMachine):
             toks[0] = kst.VOCAB  # contradicts an adopted block, if any
         addr = data.draw(st.one_of(st.just(-1), st.just(-1), st.integers(-2, n + 1)), label="addressable_len")
         out = self._both(
-            f"cache.retire({s}, {toks}, {addr})",
+            f"cache.retire({s}, np.array({toks}, np.int32), {addr})",
             lambda c, ops: c.retire(s, np.array(toks, np.int32), addr),
         )
         self.step = None
@@ -420,7 +420,7 @@ class KVCacheComparison(BackendBound, RuleBasedStateMachine):
         if out is not None:
             s = data.draw(st.integers(0, self.S - 1), label="slot")
             row = data.draw(kst.kv_arrays(out[0].shape[1:], out[0].dtype), label="row")
-            note(f"cache.conv_state({l}, {i})[{s}] = row")
+            record(f"cache.conv_state({l}, {i})[{s}] = row", row=row)
             _assign(self.ref.conv_state(l, i), s, row)
             _assign(self.sut.conv_state(l, i), s, row)
 
@@ -434,7 +434,7 @@ class KVCacheComparison(BackendBound, RuleBasedStateMachine):
         if out is not None:
             s = data.draw(st.integers(0, self.S - 1), label="slot")
             row = data.draw(kst.kv_arrays(out[0].shape[1:], out[0].dtype), label="row")
-            note(f"cache.recurrent_state({l})[{s}] = row")
+            record(f"cache.recurrent_state({l})[{s}] = row", row=row)
             _assign(self.ref.recurrent_state(l), s, row)
             _assign(self.sut.recurrent_state(l), s, row)
 
