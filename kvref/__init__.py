@@ -27,6 +27,7 @@ _LAZY = {
     "RemoteTier": "._remote_tier",
     "ops": ".ops",
     "conformance_backend": "._backend",
+    "ReferenceSlotEngine": "._slot_engine",
 }
 
 __all__ = sorted(set(_spec_all) | set(_LAZY) | {"check_invariants"})

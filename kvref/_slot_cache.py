@@ -1,18 +1,24 @@
-"""The reference slot cache ``KVCache`` (DESIGN §4, ``spec/slot-cache.md``).
+"""The slot cache ``KVCache``: the policy of ``spec/slot-cache.md`` (DESIGN §4).
 
 Per-layer K/V storage over slot-indexed batches, contiguous or paged, plus
-cross-attention planes and state slabs. Every public method validates all of
-its arguments before the first mutation, so a raise leaves the cache exactly
-as it was (``spec/slot-cache.md`` §2).
+cross-attention planes and state slabs. This class is the **policy**: every
+decision of the spec (the order of the checks and their messages,
+all-or-nothing reservation, allocation order, prefix hits, publication,
+state checkpoints) is written here once. Every public method validates all
+of its arguments before the first mutation, so a raise leaves the cache
+exactly as it was (``spec/slot-cache.md`` §2); nothing is snapshotted.
 
-Block bookkeeping (free list, ref counts, prefix index, allocation order) is
-``kvref._block_pool.BlockPool``; the hash chain is ``kvspec.hashing``; the
-step-index arithmetic is :func:`build_step_indices`, the single place in
-``kvref`` that computes ``StepIndices``.
+The mechanisms (storage buffers, block pool, the validators that find the
+first offender, block growth, the step-index builder, copy kernels) are a
+``kvspec.engine.SlotEngine`` chosen once by :meth:`KVCache.make_engine`:
+``kvref`` runs on the reference engine (``_slot_engine.py``, NumPy and Python
+loops), ``kvfast.KVCache`` overrides ``make_engine`` with its fast engines.
+The hash chain is ``kvspec.hashing``.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from typing import Sequence
 
@@ -20,11 +26,16 @@ import numpy as np
 
 from kvspec import CapacityError, KVCacheConfig, KVCacheMode, KVLayerSpec, LayerKind, StepIndices
 from kvspec._config import INT32_MAX, parse_device
+from kvspec.engine import (
+    STEP_CU0, STEP_NOT_INCREASING, STEP_OK, STEP_PAST_MISMATCH, STEP_SLOT_DUP, STEP_SLOT_RANGE, STEP_TOTAL,
+    SlotEngine,
+)
 from kvspec.hashing import block_hash, block_hashes, root_hash
 
-from ._block_pool import NULL_BLOCK, BlockPool
+from ._block_pool import NULL_BLOCK
+from ._slot_engine import ReferenceSlotEngine, build_step_indices
 
-__all__ = ["KVCache", "build_step_indices"]
+__all__ = ["KVCache", "build_step_indices", "check_make_args"]
 
 _INT32_MIN, _INT32_MAX = -(2**31), INT32_MAX
 _ATTN_KINDS = (LayerKind.ATTENTION, LayerKind.SLIDING_WINDOW)
@@ -51,8 +62,30 @@ def _check_scalar(api: str, name: str, value) -> int:
     return int(value)
 
 
+def _exact_int64(value) -> np.ndarray | None:
+    """A list or tuple of integers starting with a Python int, as int64; else None.
+
+    The common input (a list of Python ints) without NumPy's per-element type
+    discovery: ``array('q', ...)`` converts exactly and refuses floats,
+    strings, nesting and values beyond int64, which then take the general path
+    and its messages. A first element that is a Python ``int`` (not a bool)
+    means the list is integer-typed for ``np.asarray`` too (bools mixed with
+    ints become ints), so both paths give the same values.
+    """
+    if not value or type(value[0]) is not int:
+        return None
+    try:
+        return np.frombuffer(array("q", value), np.int64)
+    except (TypeError, OverflowError, ValueError):
+        return None
+
+
 def _int_vector(api: str, name: str, value) -> np.ndarray:
     """A 1-D host integer array as int64: ``TypeError`` for floats/bools, ``ValueError`` for ndim."""
+    if isinstance(value, (list, tuple)):
+        fast = _exact_int64(value)
+        if fast is not None:
+            return fast
     arr = np.asarray(value)
     if arr.size == 0 and arr.dtype.kind == "f":
         arr = arr.astype(np.int64)  # np.asarray([]) is float64; an empty list is an empty int list
@@ -62,7 +95,7 @@ def _int_vector(api: str, name: str, value) -> np.ndarray:
         raise ValueError(f"{api}: {name}.ndim={arr.ndim}, must be 1")
     if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:
         raise ValueError(f"{api}: {name} max={arr.max()} > {np.iinfo(np.int64).max}")
-    return arr.astype(np.int64)
+    return arr if arr.dtype == np.int64 else arr.astype(np.int64)
 
 
 def _token_vector(api: str, name: str, value) -> np.ndarray:
@@ -76,87 +109,14 @@ def _token_vector(api: str, name: str, value) -> np.ndarray:
 
 
 def _float_tensor(api: str, name: str, value, shape_hint: str) -> np.ndarray:
-    """A floating array (float16/bfloat16/float32/float64); ``TypeError`` otherwise."""
-    arr = np.asarray(value)
+    """A floating array (float16/bfloat16/float32/float64); ``TypeError`` otherwise.
+
+    Device arrays (``__cuda_array_interface__``) are checked in place, not copied to the host.
+    """
+    arr = value if hasattr(value, "__cuda_array_interface__") else np.asarray(value)
     if arr.dtype.kind != "f" and arr.dtype.name != "bfloat16":
         raise TypeError(f"{api}: {name} dtype={arr.dtype}, must be a floating type {shape_hint}")
     return arr
-
-
-# ---------------------------------------------------------------------- step indices
-
-
-def build_step_indices(
-    cu_seqlens_q: np.ndarray,
-    past_len: np.ndarray,
-    slot_ids: np.ndarray,
-    *,
-    max_seq_len: int,
-    block_size: int,
-    block_table: np.ndarray | None,
-    enc_lens: np.ndarray,
-) -> StepIndices:
-    """``StepIndices`` from validated host arrays (``spec/slot-cache.md`` §3).
-
-    The one implementation of the step-index arithmetic in ``kvref``.
-
-    Parameters
-    ----------
-    cu_seqlens_q : int [B+1]
-        Query offsets, validated: ``cu[0] == 0``, strictly increasing.
-    past_len : int [B]
-        Cached tokens per row (already checked against ``seq_lens()``).
-    slot_ids : int [B]
-        Distinct slots in range.
-    max_seq_len, block_size : int
-        Geometry of the cache.
-    block_table : int32 [max_seqs, max_blocks_per_seq] or None
-        The paged block table **after** this step's reservation; None when
-        contiguous.
-    enc_lens : int [max_seqs]
-        Encoder length of every slot.
-
-    Returns
-    -------
-    StepIndices
-        Dtypes per DESIGN §4.3 (int32 indices, int64 ``slot_mapping``,
-        bool ``has_initial_state``).
-    """
-    cu = np.asarray(cu_seqlens_q, dtype=np.int64)
-    past = np.asarray(past_len, dtype=np.int64)
-    slots = np.asarray(slot_ids, dtype=np.int64)
-    q_len = np.diff(cu)
-    num_rows = int(slots.shape[0])
-    seqused_k = past + q_len
-    cu_k = np.zeros(num_rows + 1, dtype=np.int64)
-    np.cumsum(seqused_k, out=cu_k[1:])
-    batch_indices = np.repeat(np.arange(num_rows, dtype=np.int64), q_len)
-    # positions[t] = past[b] + (t - cu[b]) for the row b that owns token t
-    positions = past[batch_indices] + (np.arange(int(cu[-1]), dtype=np.int64) - cu[:-1][batch_indices])
-    token_slots = slots[batch_indices]
-    if block_table is None:
-        slot_mapping = token_slots * max_seq_len + positions
-        rows = None
-    else:
-        cols = positions // block_size
-        slot_mapping = block_table[token_slots, cols].astype(np.int64) * block_size + positions % block_size
-        rows = np.ascontiguousarray(block_table[slots], dtype=np.int32)
-    return StepIndices(
-        cu_seqlens_q=cu.astype(np.int32),
-        past_len=past.astype(np.int32),
-        seqused_k=seqused_k.astype(np.int32),
-        cu_seqlens_k=cu_k.astype(np.int32),
-        max_seqlen_q=int(q_len.max()) if num_rows else 0,
-        max_seqlen_k=int(seqused_k.max()) if num_rows else 0,
-        slot_ids=slots.astype(np.int32),
-        batch_indices=batch_indices.astype(np.int32),
-        positions=positions.astype(np.int32),
-        slot_mapping=slot_mapping.astype(np.int64),
-        block_table=rows,
-        has_initial_state=past > 0,
-        cross_seqused_k=np.asarray(enc_lens, dtype=np.int64)[slots].astype(np.int32),
-        logits_indices=(cu[1:] - 1).astype(np.int32),
-    )
 
 
 # ---------------------------------------------------------------------- the cache
@@ -249,19 +209,47 @@ class KVCache:
         """
         api = "KVCache.make"
         specs = check_make_args(api, config, layer_specs)
-        # Spec §1: kvref is pure NumPy; CUDA storage is kvfast's.
-        if parse_device(api, config.device)[0] != "cpu":
-            raise ValueError(f"{api}: config.device={config.device!r}, kvref stores on 'cpu' only (use kvfast)")
+        engine = cls.make_engine(config)
         self = object.__new__(cls)
-        self._init_storage(config, specs)
+        self._init_storage(config, specs, engine)
         return self
 
-    def _init_storage(self, config: KVCacheConfig, specs: tuple[KVLayerSpec, ...]) -> None:
+    @classmethod
+    def make_engine(cls, config: KVCacheConfig) -> SlotEngine:
+        """The mechanisms a cache of this class runs on; called once by :meth:`make`.
+
+        The policy (this class) is the same in every backend; a backend
+        subclasses ``KVCache`` and overrides this method to run the policy on
+        its own ``kvspec.engine.SlotEngine`` (``kvfast.KVCache`` does).
+
+        Parameters
+        ----------
+        config : KVCacheConfig
+            The validated configuration (the engine reads ``device``).
+
+        Returns
+        -------
+        kvspec.engine.SlotEngine
+            Here the reference engine (NumPy, CPU).
+
+        Raises
+        ------
+        ValueError
+            ``config.device`` is not ``"cpu"`` (kvref is NumPy; CUDA storage is kvfast's).
+        """
+        # Spec §1: kvref is pure NumPy; CUDA storage is kvfast's.
+        if parse_device("KVCache.make", config.device)[0] != "cpu":
+            raise ValueError(f"KVCache.make: config.device={config.device!r}, kvref stores on 'cpu' only (use kvfast)")
+        return ReferenceSlotEngine()
+
+    def _init_storage(self, config: KVCacheConfig, specs: tuple[KVLayerSpec, ...], engine: SlotEngine) -> None:
+        self._engine = engine
         self._config = config
         self._specs = specs
         self._paged = config.mode is KVCacheMode.PAGED
         S, L = config.max_seqs, config.max_seq_len
         kv_dt, st_dt = config.np_dtype, config.np_state_dtype
+        zeros = engine.zeros
         #: layer -> (K, V) for attention, sliding and cross layers
         self._kv: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         #: layer -> list of conv slabs; layer -> recurrent slab or None
@@ -273,19 +261,19 @@ class KVCache:
                     shape = (config.resolved_num_blocks, config.block_size, spec.kv_heads, spec.head_dim)
                 else:
                     shape = (S, L, spec.kv_heads, spec.head_dim)
-                self._kv[l] = (np.zeros(shape, kv_dt), np.zeros(shape, kv_dt))
+                self._kv[l] = (zeros(shape, kv_dt), zeros(shape, kv_dt))
             elif spec.kind is LayerKind.CROSS_ATTENTION:
                 shape = (S, spec.max_enc_len, spec.kv_heads, spec.head_dim)
-                self._kv[l] = (np.zeros(shape, kv_dt), np.zeros(shape, kv_dt))
+                self._kv[l] = (zeros(shape, kv_dt), zeros(shape, kv_dt))
             else:
-                self._conv[l] = [np.zeros((S, d, spec.conv_width), st_dt) for d in spec.conv_dims]
-                self._rec[l] = None if spec.recurrent is None else np.zeros((S, *spec.recurrent), st_dt)
+                self._conv[l] = [zeros((S, d, spec.conv_width), st_dt) for d in spec.conv_dims]
+                self._rec[l] = None if spec.recurrent is None else zeros((S, *spec.recurrent), st_dt)
         self._has_state = bool(self._conv)
         self._seq = np.zeros(S, np.int32)
         #: encoder length per slot (0 = not filled); shared by all cross layers
         self._enc = np.zeros(S, np.int64)
         if self._paged:
-            self._pool: BlockPool | None = BlockPool(config.resolved_num_blocks, on_evict=self._on_evict)
+            self._pool = engine.block_pool(config.resolved_num_blocks, self._on_evict)
             self._table: np.ndarray | None = np.zeros((S, config.max_blocks_per_seq), np.int32)
         else:
             self._pool = None
@@ -298,7 +286,7 @@ class KVCache:
         #: state checkpoints: block hash -> copies of the state slabs, LRU first
         self._checkpoints: OrderedDict[bytes, list[np.ndarray]] = OrderedDict()
         #: slot -> blocks of its last prepared (not yet committed) write set
-        self._write_sets: dict[int, frozenset[int]] = {}
+        self._write_sets = engine.write_sets(S)
 
     # ------------------------------------------------------------------ properties and accessors
 
@@ -311,6 +299,11 @@ class KVCache:
     def layer_specs(self) -> tuple[KVLayerSpec, ...]:
         """The layer specs given to ``make``, as a tuple."""
         return self._specs
+
+    @property
+    def engine(self) -> SlotEngine:
+        """The ``kvspec.engine.SlotEngine`` this cache runs on (chosen by :meth:`make_engine`)."""
+        return self._engine
 
     def mode(self) -> KVCacheMode:
         """``KVCacheMode.CONTIGUOUS`` or ``KVCacheMode.PAGED``."""
@@ -448,7 +441,7 @@ class KVCache:
             raise ValueError(f"{api}: new_pos={pos} < shared prefix={shared} of slot {b}")
         # Spec §2.6: shrinking keeps the blocks (capacity stays); nothing is zeroed or freed.
         self._seq[b] = pos
-        self._write_sets.pop(b, None)
+        self._write_sets.pop(b)
 
     def evict_batch(self, batch_idx: int) -> None:
         """Return a slot to empty. Idempotent; publishes nothing.
@@ -470,7 +463,7 @@ class KVCache:
         if self._paged:
             n = int(self._nblk[b])
             # Spec §5: release tail first, so a chain's tail is evicted before its head.
-            self._pool.free([int(x) for x in self._table[b, :n][::-1]])
+            self._engine.release_blocks(self._pool, self._table[b, :n][::-1])
             self._table[b, :] = NULL_BLOCK
         self._nblk[b] = 0
         self._nshared[b] = 0
@@ -481,7 +474,7 @@ class KVCache:
                 self._kv[l][0][b] = 0
                 self._kv[l][1][b] = 0
         self._zero_state(b)
-        self._write_sets.pop(b, None)
+        self._write_sets.pop(b)
 
     def _zero_state(self, b: int) -> None:
         for l in self._conv:
@@ -559,43 +552,29 @@ class KVCache:
         if self._enc[b] and self._enc[b] != t:
             raise ValueError(f"{api}: t_enc={t} != {int(self._enc[b])} already filled for slot {b}")
         K, V = self._kv[layer]
-        K[b, :t] = k
-        K[b, t:] = 0
-        V[b, :t] = v
-        V[b, t:] = 0
+        self._engine.fill_plane(K, b, k)
+        self._engine.fill_plane(V, b, v)
         self._enc[b] = t
 
     # ------------------------------------------------------------------ steps
 
     def _check_slots(self, api: str, slots: np.ndarray) -> None:
-        S = self._config.max_seqs
-        seen: dict[int, int] = {}
-        for i, s in enumerate(slots.tolist()):
-            if not 0 <= s < S:
-                raise IndexError(f"{api}: slot_ids[{i}]={s} out of range [0, {S})")
-            if s in seen:
-                raise ValueError(f"{api}: slot_ids[{i}]={s} duplicates slot_ids[{seen[s]}]")
-            seen[s] = i
+        code, i, j = self._engine.check_slots(slots, self._config.max_seqs)
+        if code != STEP_OK:
+            self._raise_slot(api, code, slots, i, j)
 
-    def _blocks_needed(self, slots: np.ndarray, new_len: np.ndarray) -> np.ndarray:
-        """Blocks each row must add so its capacity covers ``new_len``."""
-        need = -(-new_len // self._config.block_size)  # ceil
-        return np.maximum(need - self._nblk[slots], 0)
+    def _raise_slot(self, api: str, code: int, slots: np.ndarray, i: int, j: int) -> None:
+        if code == STEP_SLOT_RANGE:
+            raise IndexError(f"{api}: slot_ids[{i}]={slots[i]} out of range [0, {self._config.max_seqs})")
+        raise ValueError(f"{api}: slot_ids[{i}]={slots[i]} duplicates slot_ids[{j}]")
 
-    def _grow(self, api: str, slots: np.ndarray, add: np.ndarray) -> None:
+    def _grow(self, api: str, slots: np.ndarray, add: np.ndarray, total: int) -> None:
         """All-or-nothing: append ``add[i]`` fresh blocks to row ``slots[i]``, rows in order."""
-        total = int(add.sum())
         free = self._pool.num_free
         if total > free:
             raise CapacityError(f"{api}: needs {total} blocks, {free} free or evictable")
         # Spec §5: one pop from the front for the whole step, handed out in row order.
-        blocks = self._pool.allocate(total)
-        i = 0
-        for s, n in zip(slots.tolist(), add.tolist()):
-            start = int(self._nblk[s])
-            self._table[s, start : start + n] = blocks[i : i + n]
-            self._nblk[s] = start + n
-            i += n
+        self._engine.grow_rows(self._pool, slots, add, total, self._table, self._nblk)
 
     def prepare_step(self, cu_seqlens_q, past_len, slot_ids) -> StepIndices:
         """Validate a step, reserve its blocks (paged, all or nothing) and return its indices.
@@ -638,42 +617,39 @@ class KVCache:
             raise ValueError(f"{api}: len(cu_seqlens_q)={cu.shape[0]} != len(slot_ids)+1={B + 1}")
         if past.shape[0] != B:
             raise ValueError(f"{api}: len(past_len)={past.shape[0]} != len(slot_ids)={B}")
-        if cu[0] != 0:
-            raise ValueError(f"{api}: cu_seqlens_q[0]={cu[0]}, must be 0")
-        for i in range(1, B + 1):
-            if cu[i] <= cu[i - 1]:
-                raise ValueError(f"{api}: cu_seqlens_q[{i}]={cu[i]} <= cu_seqlens_q[{i - 1}]={cu[i - 1]}, must be strictly increasing")
-        self._check_slots(api, slots)
-        L = self._config.max_seq_len
-        for i, (p, s) in enumerate(zip(past.tolist(), slots.tolist())):
-            if p != self._seq[s]:
-                # Spec §2.8: strict past_len keeps shared blocks out of every write set.
-                raise ValueError(f"{api}: past_len[{i}]={p} but seq_lens()[slot {s}]={int(self._seq[s])}")
-        q_len = np.diff(cu)  # no overflow: cu starts at 0 and increases, so every entry is >= 0
-        for i, (p, q) in enumerate(zip(past.tolist(), q_len.tolist())):
-            # Spec §2.8: compared as q > L - past (0 <= past <= L), so a q near 2**63 cannot wrap.
-            if q > L - p:
-                raise CapacityError(f"{api}: past_len[{i}]+q_len[{i}]={p}+{q}={p + q} > max_seq_len={L}")
-        total = int((past + q_len).sum())  # each term <= L < 2**31 and B <= max_seqs < 2**31: no overflow
-        if total > INT32_MAX:
-            raise CapacityError(f"{api}: sum(past_len+q_len)={total} > {INT32_MAX} (int32 cu_seqlens_k)")
+        cfg, engine = self._config, self._engine
+        # Spec §2.8: the engine finds the first offender in the spec's check order; the message is ours.
+        code, i, j = engine.check_step(cu, past, slots, self._seq, cfg.max_seqs, cfg.max_seq_len)
+        if code != STEP_OK:
+            self._raise_step(api, code, cu, past, slots, i, j)
         if self._paged:
-            self._grow(api, slots, self._blocks_needed(slots, past + q_len))
-        step = build_step_indices(
-            cu, past, slots,
-            max_seq_len=L, block_size=self._config.block_size,
-            block_table=self._table, enc_lens=self._enc,
-        )
-        if self._paged:
-            self._record_write_sets(slots, step)
-        return step
+            add, total = engine.step_blocks_needed(cu, past, slots, self._nblk, cfg.block_size)
+            if total:
+                self._grow(api, slots, add, total)
+            step = engine.build_step(cu, past, slots, self._table, self._enc, cfg.block_size, cfg.max_seq_len)
+            self._write_sets.record(slots, step, cfg.block_size)
+            return step
+        return engine.build_step(cu, past, slots, None, self._enc, cfg.block_size, cfg.max_seq_len)
 
-    def _record_write_sets(self, slots: np.ndarray, step: StepIndices) -> None:
-        bs = self._config.block_size
-        blocks = step.slot_mapping // bs
-        rows = step.batch_indices
-        for i, s in enumerate(slots.tolist()):
-            self._write_sets[s] = frozenset(int(x) for x in blocks[rows == i])
+    def _raise_step(self, api: str, code: int, cu, past, slots, i: int, j: int) -> None:
+        """The message of ``check_step``'s finding (spec §2.8, in check order)."""
+        if code == STEP_CU0:
+            raise ValueError(f"{api}: cu_seqlens_q[0]={cu[0]}, must be 0")
+        if code == STEP_NOT_INCREASING:
+            raise ValueError(
+                f"{api}: cu_seqlens_q[{i}]={cu[i]} <= cu_seqlens_q[{i - 1}]={cu[i - 1]}, must be strictly increasing"
+            )
+        if code in (STEP_SLOT_RANGE, STEP_SLOT_DUP):
+            self._raise_slot(api, code, slots, i, j)
+        if code == STEP_PAST_MISMATCH:
+            # Spec §2.8: strict past_len keeps shared blocks out of every write set.
+            s = int(slots[i])
+            raise ValueError(f"{api}: past_len[{i}]={past[i]} but seq_lens()[slot {s}]={int(self._seq[s])}")
+        if code == STEP_TOTAL:
+            raise CapacityError(f"{api}: sum(past_len+q_len)={i} > {INT32_MAX} (int32 cu_seqlens_k)")
+        # STEP_CAPACITY; Python ints, so the message shows the exact sum (no int64 wrap)
+        p, q = int(past[i]), int(cu[i + 1]) - int(cu[i])
+        raise CapacityError(f"{api}: past_len[{i}]+q_len[{i}]={p}+{q}={p + q} > max_seq_len={self._config.max_seq_len}")
 
     def reserve(self, slot_ids, n_new_per_seq) -> np.ndarray:
         """Paged: reserve blocks for ``n_new_per_seq`` more tokens per slot and advance.
@@ -717,11 +693,12 @@ class KVCache:
             if n > L - b:
                 raise CapacityError(f"{api}: seq_lens()[slot {s}]+n_new_per_seq[{i}]={b}+{n}={b + n} > max_seq_len={L}")
         after = before + n_new
-        self._grow(api, slots, self._blocks_needed(slots, after))
+        add, total = self._engine.blocks_needed(slots, after, self._nblk, self._config.block_size)
+        self._grow(api, slots, add, total)
         for s, a, n in zip(slots.tolist(), after.tolist(), n_new.tolist()):
             if n:
                 self._seq[s] = a
-                self._write_sets.pop(s, None)
+                self._write_sets.pop(s)
         return before.astype(np.int32)
 
     # ------------------------------------------------------------------ prefix reuse
@@ -810,7 +787,7 @@ class KVCache:
         self._nblk[b] = len(hits)
         self._nshared[b] = len(hits)
         self._seq[b] = len(hits) * P
-        self._write_sets.pop(b, None)
+        self._write_sets.pop(b)
         if checkpoint is None:
             self._zero_state(b)
         else:
@@ -968,7 +945,7 @@ class KVCache:
         )
         for h in self._checkpoints:
             assert h in pool.hash_to_block, f"{p}: state checkpoint {h.hex()[:12]} has no published block"
-        for s, blocks in self._write_sets.items():
+        for s, blocks in self._write_sets.items():  # the engine's tracker (spec §6.7)
             shared = {int(x) for x in self._table[s, : int(self._nshared[s])]}
             for blk in blocks:
                 assert blk not in shared and not pool.is_published(blk) and pool.ref_count[blk] == 1, (

@@ -1,7 +1,11 @@
 """Ops that write to and attend through a ``KVCache`` (DESIGN §4.4, ``spec/slot-cache.md`` §7).
 
-Plain NumPy, one loop per row: the semantic oracle. Attention through a
-cache must equal dense attention over each sequence's concatenated history.
+The ops' **policy**: argument checks in the spec's order, messages, which
+positions a layer reads. The mechanisms (scatter, gather, attention) are the
+cache's engine (``cache.engine``, a ``kvspec.engine.SlotEngine``), so these
+functions serve every backend that runs the ``kvref.KVCache`` policy; with
+the reference engine they are the semantic oracle: attention through a cache
+equals dense attention over each sequence's concatenated history.
 
 * :func:`append_kv` scatters a step's new K/V through ``step.slot_mapping``.
 * :func:`gather_kv` returns one slot's committed K/V densely.
@@ -39,10 +43,17 @@ def _check_step(api: str, step) -> None:
         raise TypeError(f"{api}: step={type(step).__name__}, must be the StepIndices of prepare_step")
 
 
-def _check_heads(api: str, name: str, arr, T: int, heads: int, dim: int, *, multiple: bool = False) -> np.ndarray:
-    """A floating ``[T, heads, dim]`` array (``heads`` a multiple of the layer's when ``multiple``)."""
-    arr = np.asarray(arr)
-    if arr.dtype.kind != "f" and arr.dtype.name != "bfloat16":
+def _check_heads(api: str, name: str, arr, T: int, heads: int, dim: int, *, multiple: bool = False,
+                 storage_dtype=None):
+    """A floating ``[T, heads, dim]`` array (``heads`` a multiple of the layer's when ``multiple``).
+
+    Device arrays (``__cuda_array_interface__``) are checked in place, anything else through
+    ``np.asarray``. An array already in ``storage_dtype`` (the engine's converted form) passes
+    the dtype check.
+    """
+    if not (isinstance(arr, np.ndarray) or hasattr(arr, "__cuda_array_interface__")):
+        arr = np.asarray(arr)
+    if arr.dtype.kind != "f" and arr.dtype.name != "bfloat16" and arr.dtype != storage_dtype:
         raise TypeError(f"{api}: {name} dtype={arr.dtype}, must be a floating type")
     if arr.ndim != 3:
         raise ValueError(f"{api}: {name}.ndim={arr.ndim}, must be 3 [tokens, heads, head_dim]")
@@ -56,25 +67,6 @@ def _check_heads(api: str, name: str, arr, T: int, heads: int, dim: int, *, mult
     elif arr.shape[1] != heads:
         raise ValueError(f"{api}: {name}.shape[1]={arr.shape[1]} != kv_heads={heads}")
     return arr
-
-
-def _rows_of(cache, layer: int, slot: int, n: int, block_row=None) -> tuple[np.ndarray, np.ndarray]:
-    """K, V of positions ``[0, n)`` of ``slot`` (copies in storage dtype).
-
-    Paged storage is read through ``block_row`` (a step's table row) or the
-    cache's current table; contiguous storage through the slot's row.
-    """
-    K, V = cache.keys(layer), cache.values(layer)
-    if cache.layer_specs[layer].kind is LayerKind.CROSS_ATTENTION or cache.mode() is KVCacheMode.CONTIGUOUS:
-        return K[slot, :n].copy(), V[slot, :n].copy()
-    bs = cache.config.block_size
-    if block_row is None:
-        block_row = cache.paged_block_table()[slot]
-    pos = np.arange(n)
-    flat = np.asarray(block_row, dtype=np.int64)[pos // bs] * bs + pos % bs
-    Kf = K.reshape(-1, *K.shape[2:])
-    Vf = V.reshape(-1, *V.shape[2:])
-    return Kf[flat].copy(), Vf[flat].copy()
 
 
 def append_kv(cache, layer: int, k, v, step: StepIndices) -> None:
@@ -107,22 +99,21 @@ def append_kv(cache, layer: int, k, v, step: StepIndices) -> None:
     spec = _layer_spec(api, cache, layer, _ATTN_KINDS)
     _check_step(api, step)
     T = step.num_tokens
-    k = _check_heads(api, "k", k, T, spec.kv_heads, spec.head_dim)
-    v = _check_heads(api, "v", v, T, spec.kv_heads, spec.head_dim)
+    engine, layer = cache.engine, int(layer)
     K, V = cache.keys(layer), cache.values(layer)
-    rows = K.shape[0] * K.shape[1]
-    sm = np.asarray(step.slot_mapping, dtype=np.int64)
+    dt = cache.config.dtype
+    k = _check_heads(api, "k", engine.kv_input(api, "k", k, K.dtype, dt), T, spec.kv_heads, spec.head_dim,
+                     storage_dtype=K.dtype)
+    v = _check_heads(api, "v", engine.kv_input(api, "v", v, V.dtype, dt), T, spec.kv_heads, spec.head_dim,
+                     storage_dtype=V.dtype)
+    sm = step.slot_mapping
+    if not hasattr(sm, "shape"):
+        sm = np.asarray(sm, dtype=np.int64)
     if sm.shape != (T,):
         raise ValueError(f"{api}: step.slot_mapping.shape={sm.shape} != ({T},)")
-    over = np.flatnonzero(sm >= rows)
-    if over.size:
-        i = int(over[0])
-        raise IndexError(f"{api}: step.slot_mapping[{i}]={sm[i]} out of range [0, {rows})")
-    keep = sm >= 0
-    Kf = K.reshape(rows, spec.kv_heads, spec.head_dim)  # a view: writes land in the cache
-    Vf = V.reshape(rows, spec.kv_heads, spec.head_dim)
-    Kf[sm[keep]] = k[keep]
-    Vf[sm[keep]] = v[keep]
+    bad = engine.scatter_kv(K, V, k, v, sm)
+    if bad >= 0:  # spec §7.1: nothing was written
+        raise IndexError(f"{api}: step.slot_mapping[{bad}]={int(sm[bad])} out of range [0, {K.shape[0] * K.shape[1]})")
 
 
 def gather_kv(cache, layer: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
@@ -152,24 +143,15 @@ def gather_kv(cache, layer: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
     api = "gather_kv"
     spec = _layer_spec(api, cache, layer, _KV_KINDS)
     slot = _check_index(api, "slot", slot, cache.config.max_seqs)
+    layer = int(layer)
+    K, V = cache.keys(layer), cache.values(layer)
     if spec.kind is LayerKind.CROSS_ATTENTION:
-        n = int(cache._enc[slot])
-    else:
-        n = int(cache.seq_lens()[slot])
-    return _rows_of(cache, int(layer), slot, n)
-
-
-def _softmax_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
-    """float32 attention of q [Tq, Hq, D] over k, v [Tk, Hk, D] with bool mask [Tq, Tk] (GQA by repeat)."""
-    group = q.shape[1] // k.shape[1]
-    k = np.repeat(k.astype(np.float32), group, axis=1)
-    v = np.repeat(v.astype(np.float32), group, axis=1)
-    scores = np.einsum("qhd,khd->hqk", q.astype(np.float32), k) * np.float32(scale)
-    scores = np.where(mask[None], scores, -np.inf)
-    scores = scores - scores.max(axis=-1, keepdims=True)
-    w = np.exp(scores)
-    w = w / w.sum(axis=-1, keepdims=True)
-    return np.einsum("hqk,khd->qhd", w, v).astype(np.float32)
+        return cache.engine.gather_kv(K, V, slot, int(cache._enc[slot]), None, 0)
+    n = int(cache._seq[slot])
+    if cache.mode() is KVCacheMode.CONTIGUOUS:
+        return cache.engine.gather_kv(K, V, slot, n, None, 0)
+    # Spec §7.2: paged positions are read through the slot's current table row.
+    return cache.engine.gather_kv(K, V, slot, n, cache._table[slot], cache.config.block_size)
 
 
 def varlen_attention(q, cache, layer: int, step: StepIndices, scale: float | None = None) -> np.ndarray:
@@ -219,26 +201,14 @@ def varlen_attention(q, cache, layer: int, step: StepIndices, scale: float | Non
         scale = 1.0 / float(np.sqrt(spec.head_dim))
     elif isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
         raise TypeError(f"{api}: scale={scale!r}, must be a float or None")
-    out = np.zeros(q.shape, np.float32)
-    cu = np.asarray(step.cu_seqlens_q, dtype=np.int64)
-    for b in range(step.num_seqs):
-        slot = int(step.slot_ids[b])
-        lo, hi = int(cu[b]), int(cu[b + 1])
-        qb = q[lo:hi]
-        if spec.kind is LayerKind.CROSS_ATTENTION:
-            n = int(step.cross_seqused_k[b])
-            if n == 0:
-                raise ValueError(f"{api}: step.cross_seqused_k[{b}]=0 for slot {slot}, fill layer {layer} first")
-            k, v = _rows_of(cache, layer, slot, n)
-            mask = np.ones((hi - lo, n), bool)
-        else:
-            n = int(step.seqused_k[b])
-            row = None if step.block_table is None else step.block_table[b]
-            k, v = _rows_of(cache, layer, slot, n, row)
-            pos = int(step.past_len[b]) + np.arange(hi - lo)[:, None]
-            key = np.arange(n)[None, :]
-            mask = key <= pos
-            if spec.kind is LayerKind.SLIDING_WINDOW:
-                mask &= key > pos - spec.window
-        out[lo:hi] = _softmax_attend(qb, k, v, mask, scale)
-    return out
+    engine = cache.engine
+    if spec.kind is LayerKind.CROSS_ATTENTION:
+        # Spec §7.3: a cross row reads all of its slot's encoder keys; none is an error.
+        empty = np.flatnonzero(engine.to_host(step.cross_seqused_k) == 0)
+        if empty.size:
+            b = int(empty[0])
+            slot = int(engine.to_host(step.slot_ids)[b])
+            raise ValueError(f"{api}: step.cross_seqused_k[{b}]=0 for slot {slot}, fill layer {layer} first")
+    block_size = cache.config.block_size if cache.mode() is KVCacheMode.PAGED else None
+    return engine.attend(q, cache.keys(layer), cache.values(layer), spec.kind, spec.window, step, block_size,
+                         float(scale))

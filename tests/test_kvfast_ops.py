@@ -1,5 +1,7 @@
 """kvfast's kernels and ops against NumPy and kvref: bytes, indices and errors."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -8,8 +10,7 @@ from hypothesis import strategies as st
 import kvfast
 import kvref
 from kvfast._numba import copy as C
-from kvfast._numba import step as S
-from kvref._slot_cache import build_step_indices
+from kvfast._slot_engine import FastSlotEngine
 from kvspec import KVCacheConfig, KVCacheMode, KVLayerSpec
 
 DTYPES = ["float16", "bfloat16", "float32"]
@@ -90,7 +91,7 @@ def test_word_dtype_and_views():
 
 @given(data=st.data())
 @settings(max_examples=60, deadline=None)
-def test_build_indices_matches_reference(data):
+def test_build_step_matches_reference_engine(data):
     paged = data.draw(st.booleans())
     S_, L, bs = 5, 12, data.draw(st.integers(1, 4))
     B = data.draw(st.integers(0, S_))
@@ -100,15 +101,15 @@ def test_build_indices_matches_reference(data):
     cu = np.concatenate([[0], np.cumsum(q)]).astype(np.int64)
     table = np.random.default_rng(B).integers(1, 50, (S_, -(-L // bs))).astype(np.int32)
     enc = np.arange(S_, dtype=np.int64) * 3
-    ref = build_step_indices(cu, past, slots, max_seq_len=L, block_size=bs,
-                             block_table=table if paged else None, enc_lens=enc)
-    got = S.build_indices(cu, past, slots, table, enc, bs, L, paged)
-    names = ["cu_seqlens_q", "past_len", "seqused_k", "cu_seqlens_k", "slot_ids", "batch_indices", "positions",
-             "slot_mapping", "has_initial_state", "cross_seqused_k", "logits_indices"]
-    for name, arr in zip(names, got[:11]):
-        want = getattr(ref, name)
-        assert arr.dtype == want.dtype and np.array_equal(arr, want), name
-    assert (int(got[11]), int(got[12])) == (ref.max_seqlen_q, ref.max_seqlen_k)
+    args = (cu, past, slots, table if paged else None, enc, bs, L)
+    ref = kvref.ReferenceSlotEngine().build_step(*args)
+    got = FastSlotEngine(S_).build_step(*args)
+    for f in dataclasses.fields(ref):
+        want, arr = getattr(ref, f.name), getattr(got, f.name)
+        if isinstance(want, np.ndarray):
+            assert arr.dtype == want.dtype and arr.shape == want.shape and np.array_equal(arr, want), f.name
+        else:
+            assert arr == want, f.name
 
 
 # --------------------------------------------------------------------------- ops: same results and errors

@@ -58,13 +58,16 @@ def fingerprint(cache: KVCache):
         "seq_lens": cache.seq_lens().tobytes(),
         "table": None if cache.paged_block_table() is None else cache.paged_block_table().tobytes(),
         "free": cache._free_order(),
-        "pool": None if pool is None else repr(pool.snapshot()),
+        "pool": None if pool is None else (
+            [int(x) for x in pool.ref_count], list(pool.block_hash), dict(pool.hash_to_block),
+            [None if t is None else t.tobytes() for t in pool.block_tokens],
+        ),
         "enc": cache._enc.tobytes(),
         "nblk": cache._nblk.tobytes(),
         "nshared": cache._nshared.tobytes(),
         "checkpoints": [(h, [a.tobytes() for a in v]) for h, v in cache._checkpoints.items()],
         "parents": dict(cache._parents),
-        "write_sets": dict(cache._write_sets),
+        "write_sets": dict(cache._write_sets.items()),
         "storage": [a.tobytes() for a in storage_arrays(cache)],
     }
 

@@ -11,13 +11,19 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from kvspec.engine import (
+    STEP_CAPACITY as CAPACITY, STEP_CU0 as CU0, STEP_NOT_INCREASING as NOT_INCREASING, STEP_OK as OK,
+    STEP_PAST_MISMATCH as PAST_MISMATCH, STEP_SLOT_DUP as SLOT_DUP, STEP_SLOT_RANGE as SLOT_RANGE,
+    STEP_TOTAL as TOTAL,
+)
+
 __all__ = [
     "OK", "CU0", "NOT_INCREASING", "SLOT_RANGE", "SLOT_DUP", "PAST_MISMATCH", "CAPACITY", "TOTAL",
-    "check_step", "check_slots", "blocks_needed", "grow_rows", "build_indices",
+    "check_step", "check_slots", "blocks_needed", "step_blocks_needed", "grow_rows", "build_indices",
 ]
 
-# Result codes of check_step / check_slots (the Python side formats the message).
-OK, CU0, NOT_INCREASING, SLOT_RANGE, SLOT_DUP, PAST_MISMATCH, CAPACITY, TOTAL = range(8)
+# Result codes of check_step / check_slots are the engine protocol's (kvspec.engine); the
+# policy formats the message. Numba freezes them as module globals.
 
 #: int32 index tensors (spec/types.md §1)
 _INT32_MAX = 2**31 - 1
@@ -87,6 +93,19 @@ def blocks_needed(slots, new_len, nblk, block_size, add):
 
 
 @njit(nogil=True, cache=True)
+def step_blocks_needed(cu, past, slots, nblk, block_size, add):
+    """:func:`blocks_needed` with ``new_len[i] = past[i] + cu[i + 1] - cu[i]``."""
+    total = 0
+    for i in range(slots.shape[0]):
+        need = (past[i] + cu[i + 1] - cu[i] + block_size - 1) // block_size - nblk[slots[i]]
+        if need < 0:
+            need = 0
+        add[i] = need
+        total += need
+    return total
+
+
+@njit(nogil=True, cache=True)
 def grow_rows(slots, add, blocks, table, nblk):
     """Append ``add[i]`` blocks of ``blocks`` (handed out in row order) to row ``slots[i]``."""
     k = 0
@@ -100,27 +119,25 @@ def grow_rows(slots, add, blocks, table, nblk):
 
 
 @njit(nogil=True, cache=True)
-def build_indices(cu, past, slots, table, enc, block_size, max_seq_len, paged):
-    """Every ``StepIndices`` array of a validated step, in one pass.
+def build_indices(cu, past, slots, table, enc, block_size, max_seq_len, paged, cu_q, past_o, used, cu_k, slot_o,
+                  bi, pos, sm, init, cross, logits, rows):
+    """Write every ``StepIndices`` array of a validated step, in one pass.
 
-    Returns ``(cu_seqlens_q, past_len, seqused_k, cu_seqlens_k, slot_ids,
-    batch_indices, positions, slot_mapping, has_initial_state,
-    cross_seqused_k, logits_indices, max_seqlen_q, max_seqlen_k)`` with the
-    dtypes of DESIGN §4.3.
+    The outputs are preallocated by the caller with the dtypes of DESIGN §4.3
+    (passing arrays in is cheap; returning a dozen arrays from Numba is
+    not): ``cu_q``/``cu_k`` int32 ``[B+1]``; ``past_o``, ``used``,
+    ``slot_o``, ``cross``, ``logits`` int32 ``[B]``; ``bi``, ``pos`` int32
+    ``[T]``; ``sm`` int64 ``[T]``; ``init`` bool ``[B]``; ``rows`` int32
+    ``[B, max_blocks_per_seq]`` (``table[slots]``) when paged. Returns
+    ``(max_seqlen_q, max_seqlen_k)``.
     """
     n = slots.shape[0]
-    t_total = cu[n]
-    cu_q = np.empty(n + 1, np.int32)
-    past_o = np.empty(n, np.int32)
-    used = np.empty(n, np.int32)
-    cu_k = np.empty(n + 1, np.int32)
-    slot_o = np.empty(n, np.int32)
-    bi = np.empty(t_total, np.int32)
-    pos = np.empty(t_total, np.int32)
-    sm = np.empty(t_total, np.int64)
-    init = np.empty(n, np.bool_)
-    cross = np.empty(n, np.int32)
-    logits = np.empty(n, np.int32)
+    if paged:
+        ncol = table.shape[1]
+        for b in range(n):  # element loops (a row slice per b costs a view each)
+            s = slots[b]
+            for j in range(ncol):
+                rows[b, j] = table[s, j]
     cu_q[0] = 0
     cu_k[0] = 0
     max_q = 0
@@ -153,4 +170,4 @@ def build_indices(cu, past, slots, table, enc, block_size, max_seq_len, paged):
                 sm[t] = np.int64(table[s, p // block_size]) * block_size + p % block_size
             else:
                 sm[t] = np.int64(s) * max_seq_len + p
-    return cu_q, past_o, used, cu_k, slot_o, bi, pos, sm, init, cross, logits, max_q, max_k
+    return max_q, max_k

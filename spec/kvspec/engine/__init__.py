@@ -15,5 +15,8 @@ Each module adds its names to ``__all__`` below.
 """
 
 from .._page_store import HostPageStore, PageStore
+from . import _slot
+from ._slot import *  # noqa: F401,F403  (slot-cache engine: SlotEngine, WriteSets, STEP_* codes)
 
 __all__ = ["PageStore", "HostPageStore"]
+__all__ += _slot.__all__

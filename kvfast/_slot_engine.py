@@ -1,0 +1,371 @@
+"""The fast slot-cache engines (``kvspec.engine.SlotEngine``, ``spec/slot-cache.md`` §9).
+
+``kvfast.KVCache`` runs kvref's policy (``kvref.KVCache``) on one of these,
+chosen once at ``make`` from ``config.device``:
+
+* :class:`FastSlotEngine` (``"cpu"``): the intrusive int32 block pool
+  (:mod:`kvfast._block_pool`), step validation, block growth and step-index
+  construction as Numba kernels (:mod:`kvfast._numba.step`, one call each
+  per step, no per-row or per-token Python work), K/V scatter and gather as
+  ``memcpy`` kernels over word views (:mod:`kvfast._numba.copy`), write sets
+  kept as the step's arrays;
+* :class:`CudaSlotEngine` (``"cuda:N"``): the same bookkeeping on the host,
+  storage and ``StepIndices`` as CuPy arrays (bfloat16 as its uint16 bits),
+  ``append_kv.cu`` / ``gather_kv.cu`` RawKernels, attention from CuPy array
+  operations.
+
+Both subclass the public ``kvref.ReferenceSlotEngine`` only to inherit the
+float32 attention algorithm on the CPU (the oracle's, so results are equal by
+construction); every other mechanism is overridden here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from kvref import ReferenceSlotEngine
+from kvspec import LayerKind, StepIndices
+
+from ._block_pool import BlockPool
+
+__all__ = ["FastSlotEngine", "CudaSlotEngine", "ArrayWriteSets", "require_cuda"]
+
+
+def _step():
+    """The CPU step kernels (Numba compiles them on first use)."""
+    from ._numba import step
+
+    return step
+
+
+def _copy():
+    """The CPU copy kernels (Numba compiles them on first use)."""
+    from ._numba import copy
+
+    return copy
+
+
+def require_cuda(api: str, device_id: int):
+    """CuPy, after checking that device ``device_id`` exists; ``RuntimeError`` otherwise."""
+    from ._cuda._module import cupy  # the one place kvfast imports CuPy (or its KVFAST_CUDA_EMULATE stand-in)
+
+    try:
+        cp = cupy()
+    except RuntimeError:
+        raise RuntimeError(
+            f"{api}: device='cuda:{device_id}' needs CuPy and a GPU; CuPy is not installed "
+            "(pip install 'kvcache[gpu]'), use device='cpu'"
+        ) from None
+    try:  # pragma: no cover - needs CuPy
+        count = cp.cuda.runtime.getDeviceCount()
+    except Exception as e:  # pragma: no cover - needs CuPy
+        raise RuntimeError(f"{api}: device='cuda:{device_id}' but no CUDA device is visible ({e})") from None
+    if not 0 <= device_id < count:  # pragma: no cover - needs CuPy
+        raise RuntimeError(f"{api}: device='cuda:{device_id}' but {count} CUDA device(s) are visible")
+    return cp  # pragma: no cover - needs CuPy
+
+
+class ArrayWriteSets:
+    """slot -> blocks of its last prepared, uncommitted step (``kvspec.engine.WriteSets``).
+
+    A step is kept as its arrays and a slot points at its step: ``record`` and
+    ``pop`` are O(1) per step; sets are built only by ``items()`` (``check_invariants``).
+    """
+
+    __slots__ = ("_step_of", "_steps", "_next", "_to_host")
+
+    def __init__(self, max_seqs: int, to_host=np.asarray):
+        self._step_of = np.full(max_seqs, -1, np.int64)
+        self._steps: dict[int, tuple] = {}
+        self._next = 0
+        self._to_host = to_host
+
+    def record(self, slot_ids: np.ndarray, step: StepIndices, block_size: int) -> None:
+        sid = self._next
+        self._next += 1
+        self._steps[sid] = (slot_ids, step.slot_mapping, step.batch_indices, block_size)
+        self._step_of[slot_ids] = sid
+        if len(self._steps) > 32:
+            live = set(np.unique(self._step_of[self._step_of >= 0]).tolist())
+            self._steps = {k: v for k, v in self._steps.items() if k in live}
+
+    def pop(self, slot: int) -> None:
+        self._step_of[slot] = -1
+
+    def clear(self) -> None:
+        self._step_of[:] = -1
+        self._steps.clear()
+
+    def items(self):
+        out = []
+        for s in np.flatnonzero(self._step_of >= 0).tolist():
+            slots, sm, bi, bs = self._steps[int(self._step_of[s])]
+            row = int(np.flatnonzero(np.asarray(slots) == s)[0])
+            blocks = self._to_host(sm) // bs
+            out.append((s, frozenset(int(x) for x in blocks[self._to_host(bi) == row])))
+        return out
+
+
+class FastSlotEngine(ReferenceSlotEngine):
+    """NumPy storage and Numba mechanisms on the CPU.
+
+    Parameters
+    ----------
+    max_seqs : int
+        Slots of the cache (sizes the duplicate-slot scratch).
+    """
+
+    device = "cpu"
+
+    def __init__(self, max_seqs: int):
+        #: scratch of the duplicate-slot check: a slot is seen in this call iff mark[s] == the call's stamp
+        self._mark = np.zeros(max_seqs, np.int64)
+        self._first = np.zeros(max_seqs, np.int32)
+        self._gen = 0
+        #: id(storage buffer) -> (buffer, flat word view, word dtype, rows, block_size, block_stride, row_stride)
+        self._views: dict[int, tuple] = {}
+        self._empty_table = np.zeros((1, 1), np.int32)
+        #: the Numba step kernels, bound once (compiled or loaded from the on-disk cache on first use)
+        self._k = _step()
+
+    # ------------------------------------------------------------------ storage and bookkeeping
+
+    def block_pool(self, num_blocks: int, on_evict):
+        return BlockPool(num_blocks, on_evict=on_evict)
+
+    def write_sets(self, max_seqs: int) -> ArrayWriteSets:
+        return ArrayWriteSets(max_seqs)
+
+    # ------------------------------------------------------------------ validation (finders)
+
+    def _stamp(self) -> int:
+        self._gen += 1
+        return self._gen
+
+    def check_slots(self, slot_ids, max_seqs: int):
+        return self._k.check_slots(slot_ids, max_seqs, self._mark, self._first, self._stamp())
+
+    def check_step(self, cu_seqlens_q, past_len, slot_ids, seq_lens, max_seqs: int, max_seq_len: int):
+        return self._k.check_step(cu_seqlens_q, past_len, slot_ids, seq_lens, max_seqs, max_seq_len, self._mark,
+                                  self._first, self._stamp())
+
+    # ------------------------------------------------------------------ reservation
+
+    def blocks_needed(self, slot_ids, new_len, nblk, block_size: int):
+        add = np.empty(slot_ids.shape[0], np.int64)
+        total = self._k.blocks_needed(slot_ids, np.asarray(new_len, np.int64), nblk, block_size, add)
+        return add, int(total)
+
+    def step_blocks_needed(self, cu_seqlens_q, past_len, slot_ids, nblk, block_size: int):
+        add = np.empty(slot_ids.shape[0], np.int64)
+        total = self._k.step_blocks_needed(cu_seqlens_q, past_len, slot_ids, nblk, block_size, add)
+        return add, int(total)
+
+    def grow_rows(self, pool, slot_ids, add, total: int, table, nblk) -> None:
+        blocks = pool.allocate_array(total)
+        self._k.grow_rows(slot_ids, add, blocks, table, nblk)
+
+    def release_blocks(self, pool, blocks) -> None:
+        pool.free(blocks)
+
+    # ------------------------------------------------------------------ step indices
+
+    def build_step(self, cu_seqlens_q, past_len, slot_ids, table, enc_lens, block_size: int,
+                   max_seq_len: int) -> StepIndices:
+        paged = table is not None
+        n, t = slot_ids.shape[0], int(cu_seqlens_q[-1])
+        i32 = np.int32
+        cu_q, cu_k = np.empty(n + 1, i32), np.empty(n + 1, i32)
+        past_o, used, slot_o = np.empty(n, i32), np.empty(n, i32), np.empty(n, i32)
+        cross, logits, init = np.empty(n, i32), np.empty(n, i32), np.empty(n, np.bool_)
+        bi, pos, sm = np.empty(t, i32), np.empty(t, i32), np.empty(t, np.int64)
+        rows = np.empty((n, table.shape[1]), i32) if paged else self._empty_table
+        max_q, max_k = self._k.build_indices(
+            cu_seqlens_q, past_len, slot_ids, table if paged else self._empty_table, enc_lens, block_size,
+            max_seq_len, paged, cu_q, past_o, used, cu_k, slot_o, bi, pos, sm, init, cross, logits, rows)
+        return StepIndices(
+            cu_seqlens_q=cu_q, past_len=past_o, seqused_k=used, cu_seqlens_k=cu_k,
+            max_seqlen_q=int(max_q), max_seqlen_k=int(max_k), slot_ids=slot_o, batch_indices=bi,
+            positions=pos, slot_mapping=sm, block_table=rows if paged else None, has_initial_state=init,
+            cross_seqused_k=cross, logits_indices=logits,
+        )
+
+    # ------------------------------------------------------------------ copy kernels (ops)
+
+    def _word_view(self, buf):
+        """``(flat words, word dtype, rows, block_size, block_stride, row_stride)`` of a storage
+        buffer ``[a, b, heads, dim]``, strides in words; cached (buffers keep their identity
+        for the cache's life, DESIGN §4.1)."""
+        got = self._views.get(id(buf))
+        if got is None or got[0] is not buf:
+            c = _copy()
+            row_elems = buf.shape[2] * buf.shape[3]
+            word = c.word_dtype(row_elems * buf.dtype.itemsize)
+            row_words = row_elems * buf.dtype.itemsize // word.itemsize
+            got = (buf, c.flat_words(buf, word), word, buf.shape[0] * buf.shape[1], buf.shape[1],
+                   buf.shape[1] * row_words, row_words)
+            self._views[id(buf)] = got
+        return got[1:]
+
+    def scatter_kv(self, K, V, k, v, slot_mapping) -> int:
+        sm = slot_mapping
+        if not (isinstance(sm, np.ndarray) and sm.dtype == np.int64):
+            sm = np.asarray(sm, dtype=np.int64)
+        if sm.shape[0] == 0:
+            return -1
+        c = _copy()
+        Kw, word, rows, bs, block_stride, row_stride = self._word_view(K)
+        Vw = self._word_view(V)[0]
+        if k.dtype != K.dtype:
+            k = k.astype(K.dtype)  # the reference's assignment casts the same way
+        if v.dtype != V.dtype:
+            v = v.astype(V.dtype)
+        return c.scatter_rows(c.as_words(k, word), c.as_words(v, word), Kw, Vw, 0, 0, sm, bs, block_stride,
+                              row_stride, rows)
+
+    def gather_kv(self, K, V, slot: int, n: int, block_row, block_size: int):
+        if block_row is None:
+            return K[slot, :n].copy(), V[slot, :n].copy()
+        out_k = np.empty((n, *K.shape[2:]), K.dtype)
+        out_v = np.empty_like(out_k)
+        if n == 0:
+            return out_k, out_v
+        c = _copy()
+        for src, out in ((K, out_k), (V, out_v)):
+            words, word, _, bs, block_stride, row_stride = self._word_view(src)
+            c.gather_rows(words, 0, block_row, n, bs, block_stride, row_stride, out.reshape(n, -1).view(word))
+        return out_k, out_v
+
+
+class CudaSlotEngine(FastSlotEngine):
+    """Storage and ``StepIndices`` on a CUDA device (CuPy); bookkeeping on the host.
+
+    Parameters
+    ----------
+    max_seqs : int
+        Slots of the cache.
+    device_id : int
+        The CUDA device (already checked by :func:`require_cuda`).
+    cp : module
+        The ``cupy`` module.
+    """
+
+    def __init__(self, max_seqs: int, device_id: int, cp):  # pragma: no cover - needs a GPU
+        super().__init__(max_seqs)
+        self.device = f"cuda:{device_id}"
+        self._dev = device_id
+        self._cp = cp
+
+    def zeros(self, shape, dtype):  # pragma: no cover - needs a GPU
+        # CuPy has no bfloat16: such storage lives as its uint16 bit patterns on the device.
+        dt = np.dtype(np.uint16) if np.dtype(dtype).name == "bfloat16" else dtype
+        with self._cp.cuda.Device(self._dev):
+            return self._cp.zeros(shape, dt)
+
+    def write_sets(self, max_seqs: int) -> ArrayWriteSets:  # pragma: no cover - needs a GPU
+        return ArrayWriteSets(max_seqs, to_host=self.to_host)
+
+    def to_host(self, x) -> np.ndarray:  # pragma: no cover - needs a GPU
+        return self._cp.asnumpy(x) if isinstance(x, self._cp.ndarray) else np.asarray(x)
+
+    def build_step(self, cu_seqlens_q, past_len, slot_ids, table, enc_lens, block_size: int,
+                   max_seq_len: int) -> StepIndices:  # pragma: no cover - needs a GPU
+        step = super().build_step(cu_seqlens_q, past_len, slot_ids, table, enc_lens, block_size, max_seq_len)
+        cp = self._cp
+        with cp.cuda.Device(self._dev):
+            moved = {f.name: (cp.asarray(getattr(step, f.name)) if isinstance(getattr(step, f.name), np.ndarray)
+                              else getattr(step, f.name)) for f in dataclasses.fields(step)}
+        return StepIndices(**moved)
+
+    def kv_input(self, api: str, name: str, x, storage_dtype, logical_dtype: str):  # pragma: no cover - needs a GPU
+        from ._cuda.convert import to_device_storage
+
+        with self._cp.cuda.Device(self._dev):
+            # The reference's conversion (bfloat16: round to nearest even, ml_dtypes' bits), same messages.
+            return to_device_storage(api, name, x, storage_dtype, logical_dtype)
+
+    def _geometry(self, K):  # pragma: no cover - needs a GPU
+        row = K.shape[2] * K.shape[3]
+        return K.shape[1], K.shape[1] * row, row
+
+    def scatter_kv(self, K, V, k, v, slot_mapping) -> int:  # pragma: no cover - needs a GPU
+        from ._cuda.append_kv import append_kv as launch
+        from ._cuda.convert import rows_contiguous
+
+        cp = self._cp
+        with cp.cuda.Device(self._dev):
+            sm = cp.asarray(slot_mapping, cp.int64)
+            if sm.shape[0] == 0:
+                return -1
+            rows = K.shape[0] * K.shape[1]
+            if int(sm.max()) >= rows:  # one device sync; the kernel must not write past the storage
+                return int(cp.flatnonzero(sm >= rows)[0])
+            bs, block_stride, row_stride = self._geometry(K)
+            launch(rows_contiguous(k), rows_contiguous(v), K, V, sm, block_size=bs, block_stride=block_stride,
+                   row_stride=row_stride)
+        return -1
+
+    def gather_kv(self, K, V, slot: int, n: int, block_row, block_size: int):  # pragma: no cover - needs a GPU
+        cp = self._cp
+        with cp.cuda.Device(self._dev):
+            if block_row is None:
+                return K[slot, :n].copy(), V[slot, :n].copy()
+            from ._cuda.gather_kv import gather_kv as launch
+
+            bs, block_stride, row_stride = self._geometry(K)
+            return launch(K, V, cp.asarray(block_row), n, block_size=bs, block_stride=block_stride,
+                          row_stride=row_stride, kv_heads=K.shape[2], head_dim=K.shape[3])
+
+    def fill_plane(self, K, slot: int, k) -> None:  # pragma: no cover - needs a GPU
+        logical = "bfloat16" if K.dtype == np.uint16 else str(K.dtype)  # uint16 storage is bfloat16 bits
+        k = self.kv_input("fill", "k", k, K.dtype, logical)
+        with self._cp.cuda.Device(self._dev):
+            t = k.shape[0]
+            K[slot, :t] = k
+            K[slot, t:] = 0
+
+    def attend(self, q, K, V, kind, window: int, step: StepIndices, block_size, scale: float):  # pragma: no cover
+        """CuPy version of the reference algorithm (same masks, float32 math)."""
+        from ._cuda.convert import query_float32, storage_float32
+
+        cp = self._cp
+        with cp.cuda.Device(self._dev):
+            q = query_float32(q)  # bfloat16 storage is uint16 bits: widen them, never cast the integers
+            group = q.shape[1] // K.shape[2]
+            out = cp.zeros(q.shape, cp.float32)
+            cu = self.to_host(step.cu_seqlens_q).astype(np.int64)
+            past, used = self.to_host(step.past_len), self.to_host(step.seqused_k)
+            cross, slots = self.to_host(step.cross_seqused_k), self.to_host(step.slot_ids)
+            for b in range(step.num_seqs):
+                lo, hi = int(cu[b]), int(cu[b + 1])
+                slot = int(slots[b])
+                if kind is LayerKind.CROSS_ATTENTION:
+                    n = int(cross[b])
+                    k, v = K[slot, :n], V[slot, :n]
+                    mask = cp.ones((hi - lo, n), bool)
+                else:
+                    n = int(used[b])
+                    if block_size is None:
+                        k, v = K[slot, :n], V[slot, :n]
+                    else:
+                        pos = cp.arange(n)
+                        flat = cp.asarray(step.block_table[b]).astype(cp.int64)[pos // block_size] * block_size \
+                            + pos % block_size
+                        k = K.reshape(-1, *K.shape[2:])[flat]
+                        v = V.reshape(-1, *V.shape[2:])[flat]
+                    p = int(past[b]) + cp.arange(hi - lo)[:, None]
+                    key = cp.arange(n)[None, :]
+                    mask = key <= p
+                    if kind is LayerKind.SLIDING_WINDOW:
+                        mask &= key > p - window
+                kf = cp.repeat(storage_float32(k), group, axis=1)
+                vf = cp.repeat(storage_float32(v), group, axis=1)
+                s = cp.einsum("qhd,khd->hqk", q[lo:hi].astype(cp.float32), kf) * cp.float32(scale)
+                s = cp.where(mask[None], s, -cp.inf)
+                s = s - s.max(axis=-1, keepdims=True)
+                w = cp.exp(s)
+                w = w / w.sum(axis=-1, keepdims=True)
+                out[lo:hi] = cp.einsum("hqk,khd->qhd", w, vf)
+            return out
