@@ -20,7 +20,7 @@ far. With an unbounded pool and one request in flight it does exactly this.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -46,12 +46,18 @@ class Ceiling:
         Sum of the reusable prompt tokens (``hit_pages * page_size`` per request).
     per_request : int64 [num_requests]
         Reusable prompt tokens of each request, in workload order.
+    page_ids : list of int64 [(P + O - 1) // page_size], one per request
+        An id per committed page of each request: equal ids mean equal
+        chained hashes (the same tokens from the root), so ids stand in for
+        hashes in :mod:`kvcache.attribution`. ``cache_salt`` is ignored here:
+        the ceiling reuses identical tokens whatever the salt.
     """
 
     page_size: int
     prompt_tokens: int
     hit_tokens: int
     per_request: np.ndarray
+    page_ids: list = field(default_factory=list, repr=False, compare=False)
 
     @property
     def hit_rate(self) -> float:
@@ -63,7 +69,7 @@ def infinite_cache_ceiling(
     requests: Sequence[Request],
     page_size: int,
     *,
-    hash_algo: str = "sha256",
+    hash_algo: str = "xxh3_128",
     hash_seed: int = 0,
 ) -> Ceiling:
     """Prefix hits of an unbounded cache over ``requests`` in order.
@@ -75,7 +81,9 @@ def infinite_cache_ceiling(
     page_size : int
         Tokens per page, >= 1.
     hash_algo, hash_seed
-        The chain of ``kvspec.hashing.block_hashes`` (the manager's params).
+        The chain of ``kvspec.hashing.block_hashes``. The hits do not depend
+        on them (equal chains are equal tokens), so the fast ``xxh3_128``
+        is the default.
 
     Returns
     -------
@@ -92,8 +100,10 @@ def infinite_cache_ceiling(
     ([0, 8], 0.4444444444444444)
     """
     check_int("infinite_cache_ceiling", "page_size", page_size, low=1)
-    seen: set[bytes] = set()
+    ids: dict[bytes, int] = {}
+    seen = bytearray()  # seen[id]: committed by an earlier request
     per_request = np.zeros(len(requests), dtype=np.int64)
+    page_ids = []
     prompt_tokens = 0
     for i, req in enumerate(requests):
         p, o = req.prompt_length, req.output_length
@@ -104,9 +114,13 @@ def infinite_cache_ceiling(
         reusable = (p - 1) // page_size
         tokens = np.concatenate([req.prompt, req.output])
         hashes = block_hashes(tokens, page_size, hash_algo, hash_seed=hash_seed, num_blocks=committed)
+        mine = np.fromiter((ids.setdefault(h, len(ids)) for h in hashes), dtype=np.int64, count=len(hashes))
+        seen.extend(bytes(len(ids) - len(seen)))
         hit = 0
-        while hit < reusable and hashes[hit] in seen:
+        while hit < reusable and seen[mine[hit]]:
             hit += 1
         per_request[i] = hit * page_size
-        seen.update(hashes)
-    return Ceiling(page_size, prompt_tokens, int(per_request.sum()), per_request)
+        for j in mine.tolist():
+            seen[j] = 1
+        page_ids.append(mine)
+    return Ceiling(page_size, prompt_tokens, int(per_request.sum()), per_request, page_ids)

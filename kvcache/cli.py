@@ -71,32 +71,6 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
-def _bytes_opt(args, name: str) -> int | None:
-    text = getattr(args, name)
-    if text is None:
-        return None
-    try:
-        return parse_bytes(text)
-    except ValueError as e:
-        raise UsageError(f"--{name.replace('_', '-')}={text}: {e}") from None
-
-
-def _at_least(args, name: str, low: int) -> None:
-    value = getattr(args, name)
-    if value is not None and value < low:
-        raise UsageError(f"--{name.replace('_', '-')}={value}, must be >= {low}")
-
-
-def _writable(flag: str, path: str | None) -> None:
-    if path is None:
-        return
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise UsageError(f"{flag}={path}: directory {parent} does not exist")
-    if os.path.isdir(path):
-        raise UsageError(f"{flag}={path}: is a directory")
-
-
 # --------------------------------------------------------------------------- parser
 
 
@@ -112,38 +86,59 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("replay", help="replay a workload through the cache and report hit rates",
                        description="Replay a workload through PagedKVCacheManager with a continuous-batching "
                                    "scheduler and print a summary table. Default workload: built-in, seeded "
-                                   "multi-turn chat.")
+                                   "multi-turn chat. Bookkeeping only by default (no K/V bytes allocated), so "
+                                   "any pool and tier size can be planned. A size option given as a comma list "
+                                   "(--device-bytes 20GiB,40GiB) sweeps it: one replay per value, in parallel.")
     r.set_defaults(func=_cmd_replay)
     w = r.add_argument_group("workload")
     w.add_argument("--trace", metavar="FILE", help="Mooncake JSONL trace (default: the built-in chat workload)")
     w.add_argument("--num-requests", type=int, metavar="N",
                    help="requests to replay (default: 300 built-in, all of a trace)")
     w.add_argument("--seed", type=int, default=0, help="seed of the workload and token mapping (default 0)")
-    c = r.add_argument_group("cache")
-    c.add_argument("--page-size", type=int, default=16, metavar="TOKENS", help="tokens per page (default 16)")
-    c.add_argument("--num-blocks", type=int, metavar="N",
+    m = r.add_argument_group("model")
+    m.add_argument("--model", metavar="NAME", help="a model preset (geometry, leaves, model id); see --list-models")
+    m.add_argument("--list-models", action="store_true", help="list the model presets and exit")
+    m.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),
+                   help="K/V dtype (default: the model's, float16 without --model)")
+    m.add_argument("--num-layers", type=int, default=2, help="model layers without --model (default 2)")
+    m.add_argument("--kv-heads", type=int, default=2, help="K/V heads without --model (default 2)")
+    m.add_argument("--head-dim", type=int, default=16, help="head size without --model (default 16)")
+    c = r.add_argument_group("cache (SIZE options take a comma list to sweep)")
+    c.add_argument("--page-size", default="16", metavar="SIZE", help="tokens per page (default 16)")
+    c.add_argument("--num-blocks", metavar="SIZE",
                    help="device blocks per replica incl. the null block (default 2048)")
-    c.add_argument("--device-bytes", metavar="BYTES", help="device pool per replica, instead of --num-blocks")
-    c.add_argument("--host-bytes", metavar="BYTES", default="0", help="host tier size (default 0: none)")
-    c.add_argument("--disk-bytes", metavar="BYTES", default="0", help="disk tier size (default 0: none)")
+    c.add_argument("--device-bytes", metavar="SIZE",
+                   help="device pool per replica (e.g. 120GiB), instead of --num-blocks")
+    c.add_argument("--host-bytes", metavar="SIZE", default="0", help="host tier size (default 0: none)")
+    c.add_argument("--disk-bytes", metavar="SIZE", default="0", help="disk tier size (default 0: none)")
     c.add_argument("--disk-dir", metavar="DIR", help="disk tier directory (default: a temporary one)")
     c.add_argument("--remote", metavar="URL",
-                   help="shared Redis tier under host and disk: redis://host:port/db or redis+cluster://host:port")
-    c.add_argument("--replicas", type=int, default=1, help="data-parallel replicas (default 1)")
+                   help="shared Redis tier under host and disk: redis://[:PASSWORD@]host:port/db or "
+                        "redis+cluster://host:port (IPv6 hosts in brackets)")
+    c.add_argument("--replicas", default="1", metavar="SIZE", help="data-parallel replicas (default 1)")
+    c.add_argument("--real-bytes", action="store_true",
+                   help="allocate the K/V buffers and tier storage (default: bookkeeping only)")
     c.add_argument("--backend", choices=("kvfast", "kvref"),
                    help="manager implementation (default kvfast when it has a PagedKVCacheManager, else kvref)")
     c.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    c.add_argument("--num-layers", type=int, default=2, help="model layers (default 2)")
-    c.add_argument("--kv-heads", type=int, default=2, help="K/V heads (default 2)")
-    c.add_argument("--head-dim", type=int, default=16, help="head size (default 16)")
     s = r.add_argument_group("scheduler")
-    s.add_argument("--max-batch-size", type=int, default=32, help="requests per replica per step (default 32)")
-    s.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens per step (default 2048)")
-    s.add_argument("--max-inflight", type=int, help="requests in flight at once (default batch size x replicas)")
+    s.add_argument("--max-batch-size", default="32", metavar="SIZE",
+                   help="requests per replica per step (default 32)")
+    s.add_argument("--max-batch-tokens", default="2048", metavar="SIZE", help="tokens per step (default 2048)")
+    s.add_argument("--max-inflight", metavar="SIZE",
+                   help="requests in flight at once (default batch size x replicas)")
+    x = r.add_argument_group("sweeps")
+    x.add_argument("--workers", type=int, metavar="N",
+                   help="worker processes of a sweep (default: one per value, at most the CPU count)")
+    x.add_argument("--cluster", metavar="ADDRESS",
+                   help="run the sweep on a Dask cluster: a scheduler address (tcp://host:8786), or 'local' "
+                        "for a LocalCluster on this machine (pip install \"kvcache[cluster]\")")
     o = r.add_argument_group("output")
-    o.add_argument("--json", metavar="FILE", help="write figures and the per-step series as JSON")
-    o.add_argument("--plot", metavar="FILE.png", help="plot occupancy, hit rate and tier traffic (needs matplotlib)")
-    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--json", metavar="FILE", help="write figures (and the per-step series) as JSON; - for stdout")
+    o.add_argument("--plot", metavar="FILE.png",
+                   help="plot the run (occupancy, hit rate, lost hits, tier traffic) or the sweep's hit-rate "
+                        "curve (needs matplotlib); - for stdout")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar or status lines")
 
     i = sub.add_parser("info", help="versions, devices, backends and GPU availability")
     i.set_defaults(func=_cmd_info)
@@ -159,17 +154,28 @@ def build_parser() -> argparse.ArgumentParser:
     # kvcache.bench parses its own options (kvcache bench --help lists them).
     b = sub.add_parser("bench", help="the kvfast/kvref ratio table", add_help=False)
     b.set_defaults(func=_cmd_bench)
+
+    # kvcache.gpu_check parses its own options (kvcache gpu-check --help lists them).
+    g = sub.add_parser("gpu-check", help="the prepared GPU run: gpu tests, append/staging bandwidth, step times",
+                       add_help=False)
+    g.set_defaults(func=_cmd_gpu_check)
     return p
 
 
 #: Commands whose unknown arguments pass through (to pytest, to kvcache.bench).
-_PASSTHROUGH = ("conformance", "bench")
+_PASSTHROUGH = ("conformance", "bench", "gpu-check")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``kvcache`` command; returns the exit code (the console script exits with it)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     show_traceback = "--traceback" in argv
+    _SECRETS.clear()
+    for i, arg in enumerate(argv):  # issue 11 §8: a --remote password is never printed
+        if isinstance(arg, str) and arg.startswith("--remote="):
+            _remember_secret(arg.partition("=")[2])
+        elif arg == "--remote" and i + 1 < len(argv):
+            _remember_secret(argv[i + 1])
     try:
         args, extra = build_parser().parse_known_args(argv)
         if extra and args.command not in _PASSTHROUGH:
@@ -182,10 +188,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("kvcache: interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - the one place that turns errors into one line
-        if show_traceback:
-            raise
         code, text = _classify(e)
-        print(f"kvcache: error: {text}", file=sys.stderr)
+        if show_traceback:
+            import traceback
+
+            sys.stderr.write(scrub(traceback.format_exc()))
+        print(f"kvcache: error: {scrub(text)}", file=sys.stderr)
         return code
 
 
@@ -200,6 +208,8 @@ def _classify(e: Exception) -> tuple[int, str]:
         return EXIT_FAILURE, msg
     if isinstance(e, (ValueError, TypeError, ImportError)):
         return EXIT_USAGE, msg
+    if isinstance(e, MemoryError):
+        return EXIT_FAILURE, f"out of memory ({msg}); plan bookkeeping-only (without --real-bytes) or smaller sizes"
     if isinstance(e, OSError):
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
         return EXIT_FAILURE, f"{where}{e.strerror or msg}"
@@ -209,45 +219,227 @@ def _classify(e: Exception) -> tuple[int, str]:
 # --------------------------------------------------------------------------- replay
 
 
+#: The size options: (argparse dest, lowest value, is a byte count). Each takes a comma list (a sweep).
+_SIZE_OPTIONS = (("page_size", 1, False), ("num_blocks", 2, False), ("device_bytes", 1, True),
+                 ("host_bytes", 0, True), ("disk_bytes", 0, True), ("replicas", 1, False),
+                 ("max_batch_size", 1, False), ("max_batch_tokens", 1, False), ("max_inflight", 1, False))
+
+#: Upper bounds of the plain integer options (issue 11 §13).
+_MAX_SEED = 2**63 - 1
+_MAX_REQUESTS = 2**31 - 1
+_MAX_BUILTIN_REQUESTS = 200_000
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _size_values(args, name: str, low: int, is_bytes: bool) -> list[int] | None:
+    """The values of a size option (one, or a comma list), each checked against ``low``."""
+    text = getattr(args, name)
+    if text is None:
+        return None
+    parts = [p.strip() for p in str(text).split(",")]
+    if len(parts) > 64:
+        raise UsageError(f"{_flag(name)}={_cut(text)}: {len(parts)} values, must be <= 64")
+    out = []
+    for part in parts:
+        if is_bytes:
+            try:
+                v = parse_bytes(part)
+            except ValueError as e:
+                raise UsageError(f"{_flag(name)}={_cut(text)}: {e}") from None
+        else:
+            if not re.fullmatch(r"[+-]?\d{1,30}", part):
+                raise UsageError(f"argument {_flag(name)}: invalid int value: {_cut(part)!r}")
+            v = int(part)
+        if v < low:
+            raise UsageError(f"{_flag(name)}={part}, must be {'> 0' if is_bytes and low == 1 else f'>= {low}'}")
+        out.append(v)
+        _RAW[(name, v)] = part
+    if len(set(out)) != len(out):
+        raise UsageError(f"{_flag(name)}={_cut(text)}: a value is repeated")
+    return out
+
+
+#: (option, value) -> the text the user gave for it (error messages quote it)
+_RAW: dict = {}
+
+
+def _cut(text, n: int = 60) -> str:
+    text = str(text)
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+_CONFIG_FIELD = re.compile(r"\bReplayConfig: ")
+_FIELD_FLAG = {"num_layers": "--num-layers", "kv_heads": "--kv-heads", "head_dim": "--head-dim",
+               "allocate_buffers": "--real-bytes", "model": "--model", "dtype": "--dtype", "remote_url": "--remote",
+               **{name: _flag(name) for name, _, _ in _SIZE_OPTIONS}}
+
+
+def _config_error(e: ValueError) -> UsageError:
+    """A ``ReplayConfig`` refusal with its field names spelled as the flags."""
+    text = _CONFIG_FIELD.sub("", str(e))
+    text = re.sub(r"\b(" + "|".join(_FIELD_FLAG) + r")=", lambda m: _FIELD_FLAG[m.group(1)] + "=", text)
+    return UsageError(text.replace("allocate_buffers=True", "--real-bytes"))
+
+
+# --------------------------------------------------------------------------- redaction and outputs
+
+_SECRETS: list[str] = []
+
+
+def redact_url(url: str) -> str:
+    """``url`` with the password (and user name) of its authority replaced by ``***``."""
+    m = re.match(r"^([a-z+]+://)([^@/]*)@(.*)$", url or "", re.IGNORECASE | re.DOTALL)
+    return f"{m.group(1)}***@{m.group(3)}" if m else url
+
+
+def _remember_secret(url: str | None) -> None:
+    m = re.match(r"^[a-z+]+://([^@/]*)@", url or "", re.IGNORECASE)
+    if m and m.group(1):
+        from urllib.parse import unquote
+
+        userinfo = m.group(1)
+        for piece in {userinfo, userinfo.partition(":")[2], unquote(userinfo.partition(":")[2])}:
+            if len(piece) >= 1 and piece not in _SECRETS:
+                _SECRETS.append(piece)
+        _SECRETS.sort(key=len, reverse=True)
+
+
+def scrub(text: str) -> str:
+    """``text`` with every remembered secret (a ``--remote`` password) replaced by ``***``."""
+    for secret in _SECRETS:
+        if secret:
+            text = text.replace(secret, "***")
+    return text
+
+
+def _check_remote(url: str) -> None:
+    """``redis://[user:password@]host[:port][/db]`` or ``redis+cluster://...`` with an IPv4, name or
+    ``[IPv6]`` host; ``UsageError`` naming the (redacted) URL otherwise."""
+    from urllib.parse import urlsplit
+
+    shown = redact_url(url)
+    form = "must be redis://[:PASSWORD@]host:port/db or redis+cluster://host:port"
+    try:
+        u = urlsplit(url)
+        port = u.port
+        host = u.hostname
+    except ValueError as e:
+        raise UsageError(f"--remote={shown}, {form} ({scrub(str(e))})") from None
+    if u.scheme not in ("redis", "redis+cluster") or not host or u.query or u.fragment:
+        raise UsageError(f"--remote={shown}, {form}")
+    if "[" in u.netloc:
+        import ipaddress
+
+        try:
+            ipaddress.IPv6Address(host.split("%")[0])
+        except ValueError:
+            raise UsageError(f"--remote={shown}: [{host}] is not an IPv6 address") from None
+    elif not re.fullmatch(r"[A-Za-z0-9._-]+", host):
+        raise UsageError(f"--remote={shown}, {form}")
+    if port is not None and not 1 <= port <= 65535:
+        raise UsageError(f"--remote={shown}: port {port}, must be in [1, 65535]")
+    path = u.path
+    if path not in ("", "/") and (u.scheme == "redis+cluster" or not re.fullmatch(r"/\d{1,5}", path)):
+        raise UsageError(f"--remote={shown}, {form}")
+
+
+def _output_target(flag: str, path: str | None) -> None:
+    """Refuse an output path that cannot be written without replacing something that is not a file."""
+    if path is None or path == "-":
+        return
+    import stat
+
+    real = os.path.realpath(path)  # a symlink is written through, to its target
+    parent = os.path.dirname(real)
+    if os.path.isdir(real):
+        raise UsageError(f"{flag}={path}: is a directory")
+    if not os.path.isdir(parent):
+        raise UsageError(f"{flag}={path}: directory {parent} does not exist")
+    try:
+        st = os.stat(real)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise UsageError(f"{flag}={path}: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device node"
+                if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "a socket"
+                if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+        raise UsageError(f"{flag}={path}: is {kind}; refusing to replace it (give a regular file or -)")
+
+
+# --------------------------------------------------------------------------- replay
+
+
 def _cmd_replay(args) -> int:
     from . import report
-    from .replay import ReplayConfig, replay, required_blocks
+    from .models import model_table
+    from .replay import ReplayConfig, fit_hint, replay, required_blocks
     from .workload import read_mooncake_trace, synthetic_workload
 
-    for name, low in (("page_size", 1), ("num_blocks", 2), ("replicas", 1), ("max_batch_size", 1),
-                      ("max_batch_tokens", 1), ("max_inflight", 1), ("num_requests", 1), ("seed", 0),
-                      ("num_layers", 1), ("kv_heads", 1), ("head_dim", 1)):
-        _at_least(args, name, low)
-    device_bytes = _bytes_opt(args, "device_bytes")
-    host_bytes, disk_bytes = _bytes_opt(args, "host_bytes"), _bytes_opt(args, "disk_bytes")
-    if args.num_blocks is not None and device_bytes is not None:
+    if args.list_models:
+        print(model_table())
+        return 0
+    for name, low, high in (("num_requests", 1, _MAX_REQUESTS), ("seed", 0, _MAX_SEED), ("num_layers", 1, 2**16),
+                            ("kv_heads", 1, 2**16), ("head_dim", 1, 2**16), ("workers", 1, 1024)):
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise UsageError(f"{_flag(name)}={value}, must be >= {low}")
+        if value is not None and value > high:
+            raise UsageError(f"{_flag(name)}={value}, must be <= {high}")
+    if args.trace is None and (args.num_requests or 0) > _MAX_BUILTIN_REQUESTS:
+        raise UsageError(f"--num-requests={args.num_requests}, must be <= {_MAX_BUILTIN_REQUESTS} for the "
+                         f"built-in workload")
+    values = {name: _size_values(args, name, low, is_bytes) for name, low, is_bytes in _SIZE_OPTIONS}
+    swept = [name for name, v in values.items() if v is not None and len(v) > 1]
+    if len(swept) > 1:
+        raise UsageError(f"{_flag(swept[0])} and {_flag(swept[1])} are both lists; sweep one option at a time")
+    if args.num_blocks is not None and args.device_bytes is not None:
         raise UsageError(f"--num-blocks={args.num_blocks} and --device-bytes={args.device_bytes} are exclusive")
-    if device_bytes is not None and device_bytes < 1:
-        raise UsageError(f"--device-bytes={args.device_bytes}, must be > 0")
-    if args.disk_dir is not None and not disk_bytes:
+    disk_any = any(values["disk_bytes"])
+    if args.disk_dir is not None and not disk_any:
         raise UsageError(f"--disk-dir={args.disk_dir} needs --disk-bytes > 0")
     if args.disk_dir is not None and os.path.exists(args.disk_dir) and not os.path.isdir(args.disk_dir):
         raise UsageError(f"--disk-dir={args.disk_dir}: exists and is not a directory")
-    if args.remote is not None and not re.match(r"redis(\+cluster)?://[^/:]+(:\d+)?(/\d+)?$", args.remote):
-        raise UsageError(f"--remote={args.remote}, must be redis://host:port/db or redis+cluster://host:port")
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
-        raise UsageError(f"--device={args.device}, must be cpu, cuda or cuda:N")
-    _writable("--json", args.json)
-    _writable("--plot", args.plot)
+    if args.remote is not None:
+        _check_remote(args.remote)
+    if not re.fullmatch(r"cpu|cuda(:\d{1,4})?", args.device):
+        raise UsageError(f"--device={_cut(args.device)}, must be cpu, cuda or cuda:N")
+    if args.cluster is not None and not swept:
+        raise UsageError(f"--cluster={args.cluster} needs a sweep (a size option given as a comma list)")
+    if args.json == "-" and args.plot == "-":
+        raise UsageError("--json - and --plot - both write to stdout; give one of them a file")
+    _output_target("--json", args.json)
+    _output_target("--plot", args.plot)
     if args.plot is not None:
         report.check_plot_available()
-    config = ReplayConfig(
-        page_size=args.page_size, num_blocks=args.num_blocks, device_bytes=device_bytes,
-        host_bytes=host_bytes, disk_bytes=disk_bytes, disk_dir=args.disk_dir, remote_url=args.remote,
-        replicas=args.replicas,
-        backend=args.backend or "auto", device=args.device, max_batch_size=args.max_batch_size,
-        max_batch_tokens=args.max_batch_tokens, max_inflight=args.max_inflight,
-        num_layers=args.num_layers, kv_heads=args.kv_heads, head_dim=args.head_dim,
-    )
-    nblocks = config.blocks_per_replica()
-    if nblocks < 2:
-        raise UsageError(f"--device-bytes={args.device_bytes} holds {nblocks} blocks of "
-                         f"{config.page_bytes()} bytes, must hold >= 2")
+
+    def config_for(override: dict) -> ReplayConfig:
+        one = {name: (v[0] if v is not None else None) for name, v in values.items()}
+        one.update(override)
+        try:
+            return ReplayConfig(
+                page_size=one["page_size"], num_blocks=one["num_blocks"], device_bytes=one["device_bytes"],
+                host_bytes=one["host_bytes"], disk_bytes=one["disk_bytes"], disk_dir=args.disk_dir,
+                remote_url=args.remote, replicas=one["replicas"], backend=args.backend or "auto",
+                device=args.device, max_batch_size=one["max_batch_size"],
+                max_batch_tokens=one["max_batch_tokens"], max_inflight=one["max_inflight"],
+                num_layers=args.num_layers, kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype,
+                model=args.model, allocate_buffers=args.real_bytes,
+            )
+        except (ValueError, TypeError) as e:
+            raise _config_error(e) from None
+
+    sweep_name = swept[0] if swept else None
+    configs = [config_for({sweep_name: v}) for v in values[sweep_name]] if sweep_name else [config_for({})]
+
+    progress = not args.no_progress and sys.stderr.isatty()
+    status = _status if progress else None
+    if status:
+        status(f"reading {'trace ' + args.trace if args.trace else 'the built-in chat workload'}")
     if args.trace is not None:
         requests = read_mooncake_trace(args.trace, num_requests=args.num_requests, seed=args.seed)
         label = f"trace {os.path.basename(args.trace)}"
@@ -255,35 +447,101 @@ def _cmd_replay(args) -> int:
         requests = synthetic_workload(args.num_requests or 300, seed=args.seed)
         label = "built-in chat"
     label += f" ({len(requests)} requests, seed {args.seed})"
-    need, longest = required_blocks(requests, config.page_size)
-    if need > nblocks - 1:
-        flag = "--num-blocks" if device_bytes is None else "--device-bytes"
-        value = nblocks if device_bytes is None else args.device_bytes
-        raise UsageError(
-            f"{flag}={value} holds {nblocks - 1} usable blocks of {config.page_size} tokens per replica, "
-            f"but request {longest.request_id} needs {need} "
-            f"({longest.prompt_length} prompt + {longest.output_length} output tokens)"
-        )
-    bar = _Progress() if (not args.no_progress and sys.stderr.isatty()) else None
-    try:
-        stats = replay(requests, config, workload=label, progress=bar)
-    finally:
-        if bar is not None:
-            bar.close()
-    print(report.format_table(stats))
-    if args.json is not None:
-        report.write_json(stats, args.json, config=_config_dict(args, config))
-        print(f"  json                    {args.json}")
-    if args.plot is not None:
-        report.write_plot(stats, args.plot)
-        print(f"  plot                    {args.plot}")
+    if args.model:
+        label += f", model {configs[0].preset().name}"
+    for config in configs:
+        need, longest = required_blocks(requests, config.page_size)
+        nblocks = config.blocks_per_replica()
+        if need > nblocks - 1:
+            flag = "--num-blocks" if config.num_blocks is not None or config.device_bytes is None else "--device-bytes"
+            value = nblocks if flag == "--num-blocks" else _RAW.get(("device_bytes", config.device_bytes),
+                                                                    config.device_bytes)
+            raise UsageError(
+                f"{flag}={value} holds {nblocks - 1} usable blocks of {config.page_size} tokens per replica, "
+                f"but request {longest.request_id} needs {need} "
+                f"({longest.prompt_length} prompt + {longest.output_length} output tokens); "
+                f"{fit_hint(config, longest.total_length)} would fit"
+            )
+    out = sys.stderr if "-" in (args.json, args.plot) else sys.stdout
+    if sweep_name:
+        from .sweep import sweep
+
+        runs = sweep(requests, configs, name=sweep_name, workload=label, workers=args.workers, cluster=args.cluster,
+                     progress=progress)
+        print(report.format_sweep(runs, sweep_name), file=out)
+        interrupted = len(runs) < len(configs)
+    else:
+        bar = _progress_bar(len(requests)) if progress else None
+        try:
+            stats = replay(requests, configs[0], workload=label, progress=bar, status=status)
+        finally:
+            if bar is not None:
+                bar.close()
+        runs = [stats]
+        print(report.format_table(stats), file=out)
+        interrupted = stats.interrupted
+    doc_config = _config_dict(args, configs[0])
+    if args.json is not None and runs:
+        report.write_json(runs, args.json, config=doc_config, sweep=sweep_name)
+        if args.json != "-":
+            print(f"  json                    {args.json}", file=out)
+    if args.plot is not None and runs:
+        if sweep_name:
+            report.write_sweep_plot(runs, sweep_name, args.plot)
+        else:
+            report.write_plot(runs[0], args.plot)
+        if args.plot != "-":
+            print(f"  plot                    {args.plot}", file=out)
+    if interrupted:
+        print("kvcache: interrupted; the summary covers the work done so far", file=sys.stderr)
+        return 130
     return 0
 
 
 def _config_dict(args, config) -> dict:
-    d = {k: v for k, v in vars(args).items() if k not in ("func", "traceback", "command", "passthrough")}
+    d = {k: v for k, v in vars(args).items()
+         if k not in ("func", "traceback", "command", "passthrough", "list_models")}
+    if d.get("remote") is not None:
+        d["remote"] = redact_url(d["remote"])  # issue 11 §8: never copy a password into an output
     d["num_blocks"] = config.blocks_per_replica()
+    d["allocate_buffers"] = config.allocate_buffers
+    d["model_id"] = config.params().model_id
     return d
+
+
+def _status(text: str) -> None:
+    """A status line on stderr (the first one as soon as work starts)."""
+    sys.stderr.write(f"kvcache: {text} ...\n")
+    sys.stderr.flush()
+
+
+def _progress_bar(total: int):
+    """A tqdm bar over requests (rate and ETA), fed by the replay's progress callback."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is a dependency; a broken install still gets the plain bar
+        return _Progress()
+
+    class _Bar:
+        def __init__(self):
+            self.bar = tqdm(total=total, unit="req", desc="replay", file=sys.stderr, smoothing=0.05,
+                            mininterval=0.2, dynamic_ncols=True)
+            self.done = 0
+            self.last = 0.0
+
+        def __call__(self, done: int, total: int, step: int) -> None:
+            now = time.monotonic()
+            if now - self.last < 0.2 and done < total:
+                return
+            self.last = now
+            self.bar.set_postfix_str(f"step {step:,}", refresh=False)
+            self.bar.update(done - self.done)
+            self.done = done
+
+        def close(self) -> None:
+            self.bar.close()
+
+    return _Bar()
 
 
 class _Progress:
@@ -424,6 +682,12 @@ def conformance_command(spec: str, pytest_args: Sequence[str] = ()) -> list[str]
 def _cmd_conformance(args) -> int:
     spec = resolve_backend(args.backend)
     return subprocess.call(conformance_command(spec, args.passthrough))
+
+
+def _cmd_gpu_check(args) -> int:
+    from .gpu_check import main as gpu_check
+
+    return gpu_check(args.passthrough)
 
 
 def _cmd_bench(args) -> int:

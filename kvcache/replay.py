@@ -29,6 +29,7 @@ every request is waiting from the start (see ``docs/replay.md``).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import importlib
 import math
 import shutil
@@ -42,13 +43,38 @@ import numpy as np
 from kvspec import InsufficientBlocksError, KVCacheParams, KVLoadFailed, TextContext
 from kvspec._config import check_int, parse_device
 
+from .attribution import LostHits, evicted_cause
 from .ceiling import infinite_cache_ceiling
+from .models import ModelPreset, get_model
 from .workload import Request
 
-__all__ = ["BACKENDS", "ReplayConfig", "ReplayError", "ReplayStats", "manager_class", "replay", "required_blocks"]
+__all__ = ["BACKENDS", "ReplayConfig", "ReplayError", "ReplayStats", "fit_hint", "manager_class", "replay",
+           "required_blocks"]
 
 #: Backends ``replay`` can drive, by package name.
 BACKENDS = ("kvfast", "kvref")
+
+#: Bounds of the sizes a replay accepts (issue 11 §13). Bookkeeping-only runs
+#: plan any byte size, but every block costs bookkeeping memory: at most
+#: ``MAX_TOTAL_BLOCKS`` blocks over replicas and leaves. Runs with real bytes
+#: may allocate at most half of this machine's physical memory.
+MAX_REPLICAS = 1024
+MAX_PAGE_SIZE = 2**20
+MAX_TOTAL_BLOCKS = 2**25
+MAX_GEOMETRY = 2**16
+MAX_BATCH_TOKENS = 2**24
+MAX_BATCH_SIZE = 2**16
+MAX_BYTES = 2**60
+
+
+def physical_memory() -> int:
+    """Bytes of physical memory of this machine (0 when unknown)."""
+    try:
+        import os
+
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 class ReplayError(RuntimeError):
@@ -93,9 +119,23 @@ class ReplayConfig:
         Requests admitted at once over all replicas; default
         ``max_batch_size * replicas``.
     num_layers, kv_heads, head_dim : int
-        Model geometry (sets page bytes and so tier traffic).
-    dtype : str
-        K/V dtype name.
+        Model geometry (sets page bytes and so tier traffic); ignored with ``model``.
+    dtype : str, optional
+        K/V dtype name; default the model's (``float16`` without a model).
+    model : str, optional
+        A preset of :data:`kvcache.models.MODELS`: geometry, leaves (sliding
+        window, recurrent state) and ``model_id``.
+    allocate_buffers : bool
+        ``False`` (the default): bookkeeping only, the manager and the tiers
+        run their whole policy without K/V bytes, so any size can be planned.
+        ``True``: real buffers (at most half the machine's memory).
+    model_id : str, optional
+        ``KVCacheParams.model_id``; default the preset's hub id (``""`` without one).
+
+    Raises
+    ------
+    ValueError, TypeError
+        A field out of range (the message names it and the bound).
     """
 
     page_size: int = 16
@@ -114,49 +154,101 @@ class ReplayConfig:
     num_layers: int = 2
     kv_heads: int = 2
     head_dim: int = 16
-    dtype: str = "float16"
+    dtype: str | None = None
+    model: str | None = None
+    allocate_buffers: bool = False
+    model_id: str | None = None
 
     def __post_init__(self):
         o = "ReplayConfig"
-        check_int(o, "page_size", self.page_size, low=1)
+        check_int(o, "page_size", self.page_size, low=1, high=MAX_PAGE_SIZE)
         if self.num_blocks is not None and self.device_bytes is not None:
             raise ValueError(f"{o}: num_blocks={self.num_blocks} and device_bytes={self.device_bytes} are exclusive")
         if self.num_blocks is not None:
-            check_int(o, "num_blocks", self.num_blocks, low=2)
+            check_int(o, "num_blocks", self.num_blocks, low=2, high=MAX_TOTAL_BLOCKS)
         if self.device_bytes is not None:
-            check_int(o, "device_bytes", self.device_bytes, low=1)
-        check_int(o, "host_bytes", self.host_bytes, low=0)
-        check_int(o, "disk_bytes", self.disk_bytes, low=0)
-        check_int(o, "replicas", self.replicas, low=1)
+            check_int(o, "device_bytes", self.device_bytes, low=1, high=MAX_BYTES)
+        check_int(o, "host_bytes", self.host_bytes, low=0, high=MAX_BYTES)
+        check_int(o, "disk_bytes", self.disk_bytes, low=0, high=MAX_BYTES)
+        check_int(o, "replicas", self.replicas, low=1, high=MAX_REPLICAS)
+        if self.model is not None:
+            self.preset()  # ValueError naming the known presets
+        if not isinstance(self.allocate_buffers, bool):
+            raise TypeError(f"{o}: allocate_buffers={self.allocate_buffers!r}, must be a bool")
         if self.remote_url is not None and not str(self.remote_url).startswith(("redis://", "redis+cluster://")):
             raise ValueError(f"{o}: remote_url={self.remote_url!r}, must start with redis:// or redis+cluster://")
         if self.backend not in ("auto",) + BACKENDS:
             raise ValueError(f"{o}: backend={self.backend!r}, must be one of {('auto',) + BACKENDS}")
         parse_device(o, self.device)
-        check_int(o, "max_batch_size", self.max_batch_size, low=1)
-        check_int(o, "max_batch_tokens", self.max_batch_tokens, low=1)
+        check_int(o, "max_batch_size", self.max_batch_size, low=1, high=MAX_BATCH_SIZE)
+        check_int(o, "max_batch_tokens", self.max_batch_tokens, low=1, high=MAX_BATCH_TOKENS)
         if self.max_inflight is not None:
-            check_int(o, "max_inflight", self.max_inflight, low=1)
-        check_int(o, "num_layers", self.num_layers, low=1)
-        check_int(o, "kv_heads", self.kv_heads, low=1)
-        check_int(o, "head_dim", self.head_dim, low=1)
+            check_int(o, "max_inflight", self.max_inflight, low=1, high=MAX_BATCH_SIZE * MAX_REPLICAS)
+        check_int(o, "num_layers", self.num_layers, low=1, high=MAX_GEOMETRY)
+        check_int(o, "kv_heads", self.kv_heads, low=1, high=MAX_GEOMETRY)
+        check_int(o, "head_dim", self.head_dim, low=1, high=MAX_GEOMETRY)
+        self.params()  # dtype, model_id: KVCacheParams' own checks
+        nb = self.blocks_per_replica()
+        if nb < 2:
+            raise ValueError(f"{o}: device_bytes={self.device_bytes} holds {nb} pages of {self.page_bytes()} bytes, "
+                             f"must hold >= 2")
+        if nb > MAX_TOTAL_BLOCKS:
+            raise ValueError(f"{o}: device_bytes={self.device_bytes} holds {nb} pages of {self.page_bytes()} bytes, "
+                             f"must hold <= {MAX_TOTAL_BLOCKS} (use a larger page_size)")
+        total = nb * self.replicas * len(self.params().leaves())
+        if total > MAX_TOTAL_BLOCKS:
+            raise ValueError(f"{o}: replicas={self.replicas} x {nb} blocks x {len(self.params().leaves())} leaves "
+                             f"= {total} blocks of bookkeeping, must be <= {MAX_TOTAL_BLOCKS}")
+        if self.allocate_buffers:
+            self._check_real_bytes(o)
+
+    def _check_real_bytes(self, o: str) -> None:
+        limit = physical_memory() // 2
+        if not limit:
+            return
+        pool = self.pool_bytes() * self.replicas
+        for name, value, need in (("device_bytes" if self.device_bytes is not None else "num_blocks",
+                                   self.device_bytes if self.device_bytes is not None else self.num_blocks, pool),
+                                  ("host_bytes", self.host_bytes, self.host_bytes)):
+            if need > limit:
+                raise ValueError(f"{o}: {name}={value} allocates {need / 2**30:.1f} GiB with allocate_buffers=True, "
+                                 f"must be <= {limit / 2**30:.1f} GiB (half this machine's memory); plan it "
+                                 f"bookkeeping-only instead")
+        if pool + self.host_bytes > limit:
+            raise ValueError(f"{o}: device pools {pool / 2**30:.1f} GiB + host_bytes={self.host_bytes} allocate "
+                             f"{(pool + self.host_bytes) / 2**30:.1f} GiB with allocate_buffers=True, must be <= "
+                             f"{limit / 2**30:.1f} GiB (half this machine's memory)")
+
+    def preset(self) -> ModelPreset | None:
+        """The model preset, or ``None`` for the hand-typed geometry."""
+        return None if self.model is None else get_model(self.model)
+
+    def kv_dtype(self) -> str:
+        """The K/V dtype: ``dtype``, else the model's, else ``float16``."""
+        if self.dtype is not None:
+            return self.dtype
+        m = self.preset()
+        return m.dtype if m is not None else "float16"
 
     def params(self, disk_dir: str | None = None) -> KVCacheParams:
         """The manager's ``KVCacheParams`` (``disk_dir`` overrides ``self.disk_dir``)."""
-        return KVCacheParams(
-            page_size=self.page_size,
-            num_layers=self.num_layers,
-            kv_heads=self.kv_heads,
-            head_dim=self.head_dim,
-            dtype=self.dtype,
+        m = self.preset()
+        kw = dict(
             data_parallel_degree=self.replicas,
             host_offload_bytes=self.host_bytes,
             disk_offload_bytes=self.disk_bytes,
-            disk_offload_dir=(disk_dir or self.disk_dir) if self.disk_bytes else None,
+            disk_offload_dir=(disk_dir or self.disk_dir or "unused") if self.disk_bytes else None,
+            allocate_buffers=self.allocate_buffers,
         )
+        if m is not None:
+            if self.model_id is not None:
+                kw["model_id"] = self.model_id
+            return m.params(self.page_size, self.kv_dtype(), **kw)
+        return KVCacheParams(self.page_size, self.num_layers, self.kv_heads, self.head_dim, self.kv_dtype(),
+                             model_id=self.model_id or "", **kw)
 
     def blocks_per_replica(self) -> int:
-        """Device blocks per replica, null block included."""
+        """Device blocks per replica (per leaf), null block included."""
         if self.num_blocks is not None:
             return self.num_blocks
         if self.device_bytes is not None:
@@ -164,8 +256,19 @@ class ReplayConfig:
         return 2048
 
     def page_bytes(self) -> int:
-        """Bytes of one device page: ``2 * num_layers * page_size * kv_heads * head_dim * itemsize``."""
-        return KVCacheParams(self.page_size, self.num_layers, self.kv_heads, self.head_dim, self.dtype).page_bytes()
+        """Bytes of one block over every leaf (each leaf has a page per block id, ``spec/manager.md`` §1):
+        ``2 * num_layers * page_size * kv_heads * head_dim * itemsize`` per full or sliding leaf plus
+        the state of a recurrent leaf."""
+        p = self.params()
+        return sum(p.page_bytes(leaf) for leaf in p.leaves())
+
+    def pool_bytes(self) -> int:
+        """Device bytes of one replica's pools, null block included."""
+        return self.blocks_per_replica() * self.page_bytes()
+
+    def capacity_tokens(self) -> int:
+        """Tokens the usable device blocks of all replicas hold."""
+        return (self.blocks_per_replica() - 1) * self.page_size * self.replicas
 
     def inflight_limit(self) -> int:
         return self.max_inflight if self.max_inflight is not None else self.max_batch_size * self.replicas
@@ -194,10 +297,57 @@ def manager_class(backend: str):
     return cls, backend
 
 
+def plans_without_bytes(cls) -> bool:
+    """Whether manager class ``cls`` honours ``KVCacheParams(allocate_buffers=False)`` (its
+    ``get_device_buffer`` then raises ``RuntimeError``); probed once per class on a tiny manager."""
+    known = _PLANS.get(cls)
+    if known is None:
+        try:
+            mgr = cls(KVCacheParams(1, 1, 1, 1, allocate_buffers=False), num_blocks=2, max_batch_size=1,
+                      max_seq_len=1)
+        except (ValueError, TypeError, RuntimeError):
+            known = False
+        else:
+            try:
+                mgr.get_device_buffer(0)
+                known = False
+            except RuntimeError:
+                known = True
+            finally:
+                mgr.shutdown()
+        _PLANS[cls] = known
+    return known
+
+
+_PLANS: dict = {}
+
+
 def required_blocks(requests: Sequence[Request], page_size: int) -> tuple[int, Request]:
     """Blocks the longest request holds at its end (prompt plus output), and that request."""
     longest = max(requests, key=lambda r: r.total_length)
     return math.ceil(longest.total_length / page_size), longest
+
+
+def _bytes_text(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def fit_hint(config: ReplayConfig, tokens: int) -> str:
+    """What would hold a request of ``tokens`` tokens: the pool (blocks and bytes) at this page size,
+    and the page size that fits the present block count."""
+    need = math.ceil(tokens / config.page_size) + 1  # + the null block
+    pool = need * config.page_bytes()
+    out = f"a pool of {need} blocks ({_bytes_text(pool)}) at page size {config.page_size}"
+    nb = config.blocks_per_replica()
+    if config.num_blocks is not None and nb > 1:
+        page = math.ceil(tokens / (nb - 1))
+        if page <= MAX_PAGE_SIZE:
+            out += f", or page size {page} with {nb} blocks"
+    return out
 
 
 # --------------------------------------------------------------------------- results
@@ -238,6 +388,20 @@ class ReplayStats:
     wall_s: float
     manager_metrics: dict = field(default_factory=dict)
     series: dict = field(default_factory=dict)
+    #: cause -> prompt tokens the ceiling reuses but the replay did not (``kvcache.attribution``)
+    lost_hit_tokens: dict = field(default_factory=dict)
+    attribution_mismatches: int = 0
+    model: str = ""
+    model_id: str = ""
+    dtype: str = "float16"
+    allocate_buffers: bool = False
+    page_bytes: int = 0
+    pool_bytes: int = 0
+    host_bytes: int = 0
+    disk_bytes: int = 0
+    capacity_tokens: int = 0
+    #: the run was stopped (Ctrl-C): the figures cover the requests admitted so far
+    interrupted: bool = False
 
     SERIES_KEYS = (
         "step", "batch_requests", "batch_tokens", "running", "waiting", "cordoned",
@@ -271,6 +435,11 @@ class ReplayStats:
         return self._rate(self.ceiling_hit_tokens)
 
     @property
+    def lost_hit_total(self) -> int:
+        """Sum of :attr:`lost_hit_tokens`; equals ``ceiling_hit_tokens - hit_tokens`` on a cold start."""
+        return sum(self.lost_hit_tokens.values())
+
+    @property
     def bookkeeping_us_mean(self) -> float:
         return 1e6 * self.bookkeeping_s_total / self.steps if self.steps else 0.0
 
@@ -278,7 +447,7 @@ class ReplayStats:
         """A JSON-ready dict: the figures, derived rates, metrics and the series."""
         d = asdict(self)
         for name in ("hit_tokens", "hit_rate", "device_hit_rate", "external_hit_rate",
-                     "ceiling_hit_rate", "bookkeeping_us_mean"):
+                     "ceiling_hit_rate", "bookkeeping_us_mean", "lost_hit_total"):
             d[name] = getattr(self, name)
         return d
 
@@ -290,14 +459,15 @@ class _Live:
     """Scheduler state of one request."""
 
     __slots__ = ("index", "req", "ctx", "replica", "generated", "admitted_at", "recorded", "transfer",
-                 "transfer_is_first", "failed_load")
+                 "transfer_is_first", "failed_load", "n_out")
 
     def __init__(self, index: int, req: Request):
         self.index = index
         self.req = req
-        self.ctx = TextContext(req.request_id, req.prompt)
+        self.ctx = TextContext(req.request_id, req.prompt, cache_salt=req.cache_salt)
         self.replica = -1
         self.generated = 0
+        self.n_out = req.output_length
         self.admitted_at = -1
         self.recorded = False
         self.transfer = None
@@ -326,6 +496,7 @@ def replay(
     *,
     workload: str = "requests",
     progress: Callable[[int, int, int], None] | None = None,
+    status: Callable[[str], None] | None = None,
 ) -> ReplayStats:
     """Replay ``requests`` through a ``PagedKVCacheManager`` and measure it.
 
@@ -338,22 +509,37 @@ def replay(
         A label for the report.
     progress : callable(done, total, step), optional
         Called after every scheduler step.
+    status : callable(str), optional
+        Told what the replay is doing before each phase that takes a while
+        (the ceiling, building the manager, the loop).
 
     Returns
     -------
     ReplayStats
+        ``interrupted`` is True when a ``KeyboardInterrupt`` stopped the loop:
+        the figures then cover the requests admitted so far.
 
     Raises
     ------
     ValueError
         No requests, or the pool is too small for the longest request
-        (checked before anything runs).
+        (checked before anything runs; the message names a pool or page
+        size that would fit).
     ReplayError
         The backend has no manager, or no request can ever be admitted.
     """
     if len(requests) == 0:
         raise ValueError("replay: requests is empty")
+    say = status or (lambda text: None)
     cls, backend = manager_class(config.backend)
+    if not config.allocate_buffers and not plans_without_bytes(cls):
+        # The manager does not implement bookkeeping-only yet: run with real buffers, and say so
+        # (stats.allocate_buffers is True; the table prints it).
+        try:
+            config = dataclasses.replace(config, allocate_buffers=True)
+        except ValueError as e:
+            raise ReplayError(f"replay: the {backend} manager does not implement bookkeeping-only mode "
+                              f"(KVCacheParams(allocate_buffers=False)) yet, and with real buffers: {e}") from None
     bs = config.page_size
     nblocks = config.blocks_per_replica()
     need, longest = required_blocks(requests, bs)
@@ -362,9 +548,21 @@ def replay(
         raise ValueError(
             f"replay: num_blocks={nblocks} holds {nblocks - 1} usable blocks of {bs} tokens per replica, "
             f"but request {longest.request_id} needs {need} "
-            f"({longest.prompt_length} prompt + {longest.output_length} output tokens)"
+            f"({longest.prompt_length} prompt + {longest.output_length} output tokens); "
+            f"{fit_hint(config, longest.total_length)} would fit"
         )
+    say(f"infinite-cache ceiling over {len(requests):,} requests")
     ceiling = infinite_cache_ceiling(requests, bs)
+    params = config.params()
+    leaves = params.leaves()
+    simple = len(leaves) == 1
+    tiers = bool(config.host_bytes or config.disk_bytes or config.remote_url)
+    lost = LostHits(
+        ceiling.page_ids, ceiling.per_request // bs, [r.cache_salt for r in requests], bs,
+        peers_serve=simple and (config.replicas > 1 or tiers),
+        recurrent=any(leaf.kind.value == "recurrent" for leaf in leaves.values()),
+        evicted=evicted_cause(bool(config.host_bytes), bool(config.disk_bytes), config.remote_url is not None),
+    )
     tmp_dir = tempfile.mkdtemp(prefix="kvcache-disk-") if config.disk_bytes and not config.disk_dir else None
     try:
         connector = None
@@ -376,6 +574,8 @@ def replay(
                 config.host_bytes, config.disk_bytes, (tmp_dir or config.disk_dir) if config.disk_bytes else None,
                 remote_url=config.remote_url,
             )
+        say(f"building the {backend} manager ({nblocks:,} blocks x {config.replicas} replicas"
+            f"{', bookkeeping only' if not config.allocate_buffers else ', real buffers'})")
         mgr = cls(
             config.params(tmp_dir),
             num_blocks=nblocks,
@@ -385,23 +585,36 @@ def replay(
             connector=connector,
         )
         try:
-            stats = _Loop(mgr, requests, config, progress).run()
+            say("replaying")
+            stats = _Loop(mgr, requests, config, progress, lost, tiers).run()
         finally:
             mgr.shutdown()
         final = mgr.get_metrics_aggregated()
     finally:
         if tmp_dir is not None:
             shutil.rmtree(tmp_dir, ignore_errors=True)
+    admitted = stats.pop("admitted")
     stats.update(
         backend=backend,
         workload=workload,
-        ceiling_hit_tokens=ceiling.hit_tokens,
+        ceiling_hit_tokens=int(ceiling.per_request[admitted].sum()),
         blocks_per_replica=nblocks,
         h2d_bytes=final.h2d_bytes_copied,
         d2h_bytes=final.d2h_bytes_copied,
         disk_bytes_written=final.disk_bytes_written,
         disk_bytes_read=final.disk_bytes_read,
         manager_metrics=final.as_dict(),
+        lost_hit_tokens=dict(lost.tokens),
+        attribution_mismatches=lost.mismatches,
+        model=config.model or "",
+        model_id=params.model_id,
+        dtype=params.dtype,
+        allocate_buffers=config.allocate_buffers,
+        page_bytes=config.page_bytes(),
+        pool_bytes=config.pool_bytes() * config.replicas,
+        host_bytes=config.host_bytes,
+        disk_bytes=config.disk_bytes,
+        capacity_tokens=config.capacity_tokens(),
     )
     return ReplayStats(**stats)
 
@@ -409,12 +622,16 @@ def replay(
 class _Loop:
     """One run of the scheduler over one manager."""
 
-    def __init__(self, mgr, requests: Sequence[Request], config: ReplayConfig, progress):
+    def __init__(self, mgr, requests: Sequence[Request], config: ReplayConfig, progress, lost: LostHits,
+                 tiers: bool):
         self.mgr = mgr
         self.call = _Timed(mgr)
         self.config = config
         self.progress = progress
         self.requests = requests
+        self.lost = lost
+        self.tiers = tiers
+        self.align = int(getattr(mgr, "chunk_alignment_tokens", 0) or 0)
         self.waiting: collections.deque[_Live] = collections.deque(_Live(i, r) for i, r in enumerate(requests))
         self.running: list[_Live] = []  # admission order, oldest first
         self.cordoned: list[_Live] = []
@@ -427,6 +644,7 @@ class _Loop:
         self.hit_tokens = 0
         self.hit_prompt_tokens = 0
         self.series = {k: [] for k in ReplayStats.SERIES_KEYS}
+        self._zero_metrics = None
 
     # -- the loop
 
@@ -436,39 +654,44 @@ class _Loop:
         t_start = time.perf_counter()
         step = 0
         idle_waits = 0
-        while self.waiting or self.running or self.cordoned:
-            self.call.seconds = 0.0
-            self._uncordon()
-            batches: list[list[_Live]] = [[] for _ in range(R)]
-            budget = self._schedule_running(batches, cfg.max_batch_tokens)
-            budget = self._admit(batches, budget)
-            rows = [live for b in batches for live in b]
-            if rows:
-                self.call("runtime_inputs", [[live.ctx for live in b] for b in batches])
-                tokens = cfg.max_batch_tokens - budget
-                self._forward(rows)
-                idle_waits = 0
-            else:
-                tokens = 0
-                idle_waits = self._wait_for_transfers(idle_waits)
-            self._record(step, rows, tokens)
-            step += 1
-            if self.progress is not None:
-                self.progress(self.done, len(self.requests), step)
+        interrupted = False
+        try:
+            while self.waiting or self.running or self.cordoned:
+                self.call.seconds = 0.0
+                if self.cordoned:
+                    self._uncordon()
+                batches: list[list[_Live]] = [[] for _ in range(R)]
+                budget = self._schedule_running(batches, cfg.max_batch_tokens)
+                budget = self._admit(batches, budget)
+                rows = [live for b in batches for live in b] if R > 1 else batches[0]
+                if rows:
+                    self.call("runtime_inputs", [[live.ctx for live in b] for b in batches])
+                    tokens = cfg.max_batch_tokens - budget
+                    self._forward(rows)
+                    idle_waits = 0
+                else:
+                    tokens = 0
+                    idle_waits = self._wait_for_transfers(idle_waits)
+                self._record(step, len(rows), tokens)
+                step += 1
+                if self.progress is not None:
+                    self.progress(self.done, len(self.requests), step)
+        except KeyboardInterrupt:
+            interrupted = True
         wall = time.perf_counter() - t_start
         s = self.series
         used = np.asarray(s["blocks_used"], dtype=np.int64)
         bk = np.asarray(s["bookkeeping_us"], dtype=np.float64)
-        hit_dev = sum(d for d, _ in self.hits.values())
-        hit_ext = sum(e for _, e in self.hits.values())
+        admitted = np.fromiter(sorted(self.hits), dtype=np.int64, count=len(self.hits))
+        reqs = [self.requests[i] for i in admitted] if interrupted else self.requests
         return dict(
-            requests=len(self.requests),
-            prompt_tokens=sum(r.prompt_length for r in self.requests),
-            output_tokens=sum(r.output_length for r in self.requests),
+            requests=len(reqs),
+            prompt_tokens=sum(r.prompt_length for r in reqs),
+            output_tokens=sum(r.output_length for r in reqs),
             page_size=cfg.page_size,
             replicas=R,
-            device_hit_tokens=hit_dev,
-            external_hit_tokens=hit_ext,
+            device_hit_tokens=sum(d for d, _ in self.hits.values()),
+            external_hit_tokens=sum(e for _, e in self.hits.values()),
             peak_blocks_used=int(used.max()) if used.size else 0,
             mean_blocks_used=float(used.mean()) if used.size else 0.0,
             preemptions=self.preemptions,
@@ -479,6 +702,8 @@ class _Loop:
             bookkeeping_us_p99=float(np.percentile(bk, 99)) if bk.size else 0.0,
             wall_s=wall,
             series=s,
+            interrupted=interrupted,
+            admitted=admitted,
         )
 
     # -- phases of a step
@@ -521,6 +746,7 @@ class _Loop:
             dev, ext = self.hits[live.index]
             self.hits[live.index] = (dev, 0)
             self.hit_tokens -= ext
+            self.lost.load_failed(ext)
             live.transfer_is_first = False
 
     def _schedule_running(self, batches, budget: int) -> int:
@@ -568,6 +794,7 @@ class _Loop:
 
     def _preempt(self, live: _Live) -> None:
         # Spec (manager-semantics §9): preemption = release + ctx.reset() + front of the queue.
+        self.lost.preempt(live.index, live.ctx.processed_length)
         self.call("release", live.ctx)
         live.ctx.reset()
         self.running.remove(live)
@@ -576,7 +803,8 @@ class _Loop:
 
     def _admit(self, batches, budget: int) -> int:
         cfg = self.config
-        while self.waiting and budget > 0 and len(self.running) + len(self.cordoned) < cfg.inflight_limit():
+        limit = cfg.inflight_limit()
+        while self.waiting and budget > 0 and len(self.running) + len(self.cordoned) < limit:
             live = self.waiting[0]
             if live.replica < 0 or not self.call("contains", live.ctx):
                 live.replica = self._route(live, batches)
@@ -585,6 +813,7 @@ class _Loop:
                 self.call("claim", live.ctx, live.replica)
             if len(batches[live.replica]) >= cfg.max_batch_size:
                 break
+            refused = self._refusals() if self.tiers and not live.recorded else 0
             try:
                 transfer = self.call("alloc", live.ctx)
             except InsufficientBlocksError:
@@ -595,7 +824,7 @@ class _Loop:
             live.admitted_at = self.admissions
             self.admissions += 1
             if not live.recorded:
-                self._settle_hit(live)
+                self._settle_hit(live, self.tiers and self._refusals() > refused)
             if not self._landed(live, transfer):
                 self._cordon(live, transfer)
                 continue
@@ -604,6 +833,9 @@ class _Loop:
                 continue  # runs after its next alloc (next step), which undoes the splice
             budget = self._take(live, batches, budget)
         return budget
+
+    def _refusals(self) -> int:
+        return self.mgr.get_metrics_aggregated().connector_loads_refused
 
     def _route(self, live: _Live, batches) -> int:
         """Replica for a new request: most prefix hits, then fewest in flight, then lowest index."""
@@ -632,35 +864,47 @@ class _Loop:
             f"and nothing else in flight"
         )
 
-    def _settle_hit(self, live: _Live) -> None:
-        """Record the request's hit at its first admission (device, external tokens)."""
+    def _settle_hit(self, live: _Live, refused: bool) -> None:
+        """Record the request's hit at its first admission (device, external tokens) and attribute its loss."""
         ctx = live.ctx
         ext = ctx.cached_prefix_external_length
-        self.hits[live.index] = (ctx.cached_prefix_length - ext, ext)
-        self.hit_tokens += ctx.cached_prefix_length
+        hit = ctx.cached_prefix_length
+        self.hits[live.index] = (hit - ext, ext)
+        self.hit_tokens += hit
         self.hit_prompt_tokens += live.req.prompt_length
         live.recorded = True
         live.transfer_is_first = True
+        self.lost.admit(live.index, live.replica, hit, refused)
 
     def _take(self, live: _Live, batches, budget: int) -> int:
-        """Put ``live`` in its replica's batch, chunking its prefill to ``budget``."""
+        """Put ``live`` in its replica's batch, chunking its prefill to ``budget``
+        (at a multiple of the manager's ``chunk_alignment_tokens``: recurrent
+        checkpoints are published at page boundaries, spec/manager.md §2.4)."""
         ctx = live.ctx
         if ctx.active_length > budget:
-            ctx.chunk(budget)
+            n = budget - budget % self.align if self.align else budget
+            if n == 0:
+                return budget  # not this step: the budget left is smaller than one aligned chunk
+            ctx.chunk(n)
         batches[live.replica].append(live)
         return budget - ctx.active_length
 
     def _forward(self, rows: list[_Live]) -> None:
+        call, lost = self.call, self.lost
         for live in rows:
             ctx = live.ctx
             if ctx.pending_length:
+                # Spec manager §5: step after every forward, a non-final chunk's included.
                 ctx.advance_chunk()
+                call("step", ctx)
+                lost.commit(live.index, live.replica, ctx.processed_length)
                 continue
             ctx.update(int(live.req.output[live.generated]))
             live.generated += 1
-            self.call("step", ctx)
-            if live.generated == live.req.output_length:
-                self.call("release", ctx)
+            call("step", ctx)
+            lost.commit(live.index, live.replica, ctx.processed_length)
+            if live.generated == live.n_out:
+                call("release", ctx)
                 self.running.remove(live)
                 self.done += 1
 
@@ -680,17 +924,28 @@ class _Loop:
                 raise ReplayError("replay: no progress after 2000 idle steps (transfers never finish)")
         return idle_waits + 1
 
-    def _record(self, step: int, rows: list[_Live], tokens: int) -> None:
+    def _record(self, step: int, rows: int, tokens: int) -> None:
         s = self.series
-        m = self.mgr.get_metrics_aggregated()
-        used = sum(self.mgr.block_count(r).used for r in range(self.config.replicas))
+        mgr = self.mgr
+        if self.tiers:
+            m = mgr.get_metrics_aggregated()
+            moved = (m.h2d_bytes_copied, m.d2h_bytes_copied, m.disk_bytes_written, m.disk_bytes_read)
+        else:
+            moved = (0, 0, 0, 0)
+        R = self.config.replicas
+        used = mgr.block_count(0).used if R == 1 else sum(mgr.block_count(r).used for r in range(R))
         prompt_done, hit = self.hit_prompt_tokens, self.hit_tokens
-        for key, value in (
-            ("step", step), ("batch_requests", len(rows)), ("batch_tokens", tokens),
-            ("running", len(self.running)), ("waiting", len(self.waiting)), ("cordoned", len(self.cordoned)),
-            ("blocks_used", used), ("hit_rate", hit / prompt_done if prompt_done else 0.0),
-            ("preemptions", self.preemptions), ("h2d_bytes", m.h2d_bytes_copied),
-            ("d2h_bytes", m.d2h_bytes_copied), ("disk_bytes_written", m.disk_bytes_written),
-            ("disk_bytes_read", m.disk_bytes_read), ("bookkeeping_us", 1e6 * self.call.seconds),
-        ):
-            s[key].append(value)
+        s["step"].append(step)
+        s["batch_requests"].append(rows)
+        s["batch_tokens"].append(tokens)
+        s["running"].append(len(self.running))
+        s["waiting"].append(len(self.waiting))
+        s["cordoned"].append(len(self.cordoned))
+        s["blocks_used"].append(used)
+        s["hit_rate"].append(hit / prompt_done if prompt_done else 0.0)
+        s["preemptions"].append(self.preemptions)
+        s["h2d_bytes"].append(moved[0])
+        s["d2h_bytes"].append(moved[1])
+        s["disk_bytes_written"].append(moved[2])
+        s["disk_bytes_read"].append(moved[3])
+        s["bookkeeping_us"].append(1e6 * self.call.seconds)

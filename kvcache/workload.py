@@ -73,12 +73,16 @@ class Request:
     arrival : float
         Arrival time in seconds; orders the workload only (the replay is a
         closed loop, see ``docs/replay.md``).
+    cache_salt : str, optional
+        The request's ``TextContext.cache_salt``: requests with different
+        salts never share pages (tenant isolation).
     """
 
     request_id: str
     prompt: np.ndarray
     output: np.ndarray
     arrival: float
+    cache_salt: str | None = None
 
     @property
     def prompt_length(self) -> int:
@@ -161,14 +165,25 @@ def synthetic_workload(num_requests: int = 300, seed: int = 0) -> list[Request]:
 
 _TRACE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
+#: Bounds of trace values (issue 11: hostile values are one error line, never an
+#: internal error). Lengths: 4 Mi tokens per prompt or output (beyond any
+#: published context); hash ids and timestamps: exact in a float64 / JSON
+#: number; the whole trace: 2**31 tokens (8 GiB of int32 token ids).
+MAX_TRACE_LENGTH = 2**22
+MAX_TRACE_ID = 2**53
+MAX_TRACE_TOKENS = 2**31
+MAX_SALT_BYTES = 1024
+
 
 def read_mooncake_trace(path: str | os.PathLike, *, num_requests: int | None = None, seed: int = 0) -> list[Request]:
     """Read a Mooncake JSONL trace into requests.
 
-    Every line is a JSON object with ``timestamp`` (int, ms), ``input_length``
-    (int >= 1), ``output_length`` (int >= 0) and ``hash_ids`` (list of int >= 0,
-    ``len == ceil(input_length / 512)``). Requests are ordered by timestamp,
-    file order for ties.
+    Every line is a JSON object with ``timestamp`` (int, ms, ``|t| <= 2**53``),
+    ``input_length`` (int in ``[1, 2**22]``), ``output_length`` (int in
+    ``[0, 2**22]``) and ``hash_ids`` (list of int in ``[0, 2**53]``,
+    ``len == ceil(input_length / 512)``), and optionally ``cache_salt`` (a
+    string of at most 1024 UTF-8 bytes, or null). The whole trace holds at most
+    ``2**31`` tokens. Requests are ordered by timestamp, file order for ties.
 
     Token mapping (the spec decision, see ``docs/replay.md``): token ``j`` of
     hash id ``h`` is ``splitmix64(splitmix64(2 * seed) ^ (h * 512 + j)) % (2**31 - 2) + 1``,
@@ -202,12 +217,24 @@ def read_mooncake_trace(path: str | os.PathLike, *, num_requests: int | None = N
         check_int("read_mooncake_trace", "num_requests", num_requests, low=1)
     check_int("read_mooncake_trace", "seed", seed, low=0)
     records = []
+    total = 0
     try:
         with open(path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
-                records.append((lineno, _parse_trace_line(path, lineno, line)))
+                rec = _parse_trace_line(path, lineno, line)
+                total += rec["input_length"] + max(rec["output_length"], 1)
+                if total > MAX_TRACE_TOKENS:
+                    raise WorkloadError(f"{path}:{lineno}: the trace holds {total:,} tokens up to this line, "
+                                        f"more than {MAX_TRACE_TOKENS:,} (use --num-requests on a shorter file)")
+                records.append((lineno, rec))
+                if num_requests is not None and len(records) >= 4 * num_requests + 100_000:
+                    # Keep memory bounded on a huge file: the first num_requests by arrival are among these
+                    # only if the file is sorted, so sort and trim as we go.
+                    records.sort(key=lambda r: r[1]["timestamp"])
+                    del records[num_requests:]
+                    total = sum(r["input_length"] + max(r["output_length"], 1) for _, r in records)
     except FileNotFoundError:
         raise WorkloadError(f"{path}: no such file") from None
     except IsADirectoryError:
@@ -230,30 +257,51 @@ def _parse_trace_line(path, lineno: int, line: str) -> dict:
         rec = json.loads(line)
     except json.JSONDecodeError as e:
         raise WorkloadError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise WorkloadError(f"{where}: JSON nested too deeply") from None
+    except ValueError as e:  # e.g. an integer literal past Python's digit limit
+        raise WorkloadError(f"{where}: malformed JSON ({' '.join(str(e).split())[:120]})") from None
     if not isinstance(rec, dict):
         raise WorkloadError(f"{where}: expected a JSON object, got {type(rec).__name__}")
     for name in _TRACE_FIELDS:
         if name not in rec:
             raise WorkloadError(f"{where}: missing field {name!r} (need {', '.join(_TRACE_FIELDS)})")
-    for name, low in (("timestamp", None), ("input_length", 1), ("output_length", 0)):
+    for name, low, high in (("timestamp", -MAX_TRACE_ID, MAX_TRACE_ID), ("input_length", 1, MAX_TRACE_LENGTH),
+                            ("output_length", 0, MAX_TRACE_LENGTH)):
         v = rec[name]
         if isinstance(v, bool) or not isinstance(v, int):
-            raise WorkloadError(f"{where}: {name}={v!r}, must be an int")
-        if low is not None and v < low:
-            raise WorkloadError(f"{where}: {name}={v}, must be >= {low}")
+            raise WorkloadError(f"{where}: {name}={_short(v)}, must be an int")
+        if v < low:
+            raise WorkloadError(f"{where}: {name}={_short(v)}, must be >= {low}")
+        if v > high:
+            raise WorkloadError(f"{where}: {name}={_short(v)}, must be <= {high}")
     ids = rec["hash_ids"]
     if not isinstance(ids, list):
-        raise WorkloadError(f"{where}: hash_ids={ids!r}, must be a list of ints")
-    for i, h in enumerate(ids):
-        if isinstance(h, bool) or not isinstance(h, int) or h < 0:
-            raise WorkloadError(f"{where}: hash_ids[{i}]={h!r}, must be an int >= 0")
+        raise WorkloadError(f"{where}: hash_ids={_short(ids)}, must be a list of ints")
     want = math.ceil(rec["input_length"] / MOONCAKE_BLOCK_TOKENS)
     if len(ids) != want:
         raise WorkloadError(
             f"{where}: len(hash_ids)={len(ids)} but input_length={rec['input_length']} "
             f"needs ceil({rec['input_length']}/{MOONCAKE_BLOCK_TOKENS})={want}"
         )
+    for i, h in enumerate(ids):
+        if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h <= MAX_TRACE_ID:
+            raise WorkloadError(f"{where}: hash_ids[{i}]={_short(h)}, must be an int in [0, {MAX_TRACE_ID}]")
+    salt = rec.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str)
+                             or len(salt.encode("utf-8", "surrogatepass")) > MAX_SALT_BYTES):
+        raise WorkloadError(f"{where}: cache_salt={_short(salt)}, must be a string of at most "
+                            f"{MAX_SALT_BYTES} UTF-8 bytes, or null")
     return rec
+
+
+def _short(v) -> str:
+    """``repr(v)`` cut to 60 characters (a hostile value must not flood the error line)."""
+    try:
+        text = repr(v)
+    except ValueError:  # an int past the str conversion limit
+        text = f"<int of about {int(v.bit_length() * 0.30103)} digits>"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -287,4 +335,4 @@ def _trace_request(lineno: int, rec: dict, seed: int) -> Request:
     if tail != MOONCAKE_BLOCK_TOKENS:
         prompt = np.concatenate([prompt, private[:tail]])
     output = private[MOONCAKE_BLOCK_TOKENS:]
-    return Request(f"trace-{lineno:06d}", prompt, output, rec["timestamp"] / 1000.0)
+    return Request(f"trace-{lineno:06d}", prompt, output, rec["timestamp"] / 1000.0, rec.get("cache_salt"))

@@ -76,10 +76,13 @@ def test_replay_json_and_plot(capsys, tmp_path):
     code, out, err = run(capsys, "replay", "--num-requests", "10", "--json", str(js), "--plot", str(png), *TINY)
     assert code == 0, err
     doc = json.loads(js.read_text())
-    assert doc["requests"] == 10
-    assert doc["hit_rate"] <= doc["ceiling_hit_rate"]
+    assert doc["schema_version"] == 2 and doc["sweep"] is None and len(doc["runs"]) == 1
+    run0 = doc["runs"][0]
+    assert run0["requests"] == 10
+    assert run0["hit_rate"] <= run0["ceiling_hit_rate"]
+    assert sum(run0["lost_hit_tokens"].values()) == run0["ceiling_hit_tokens"] - run0["hit_tokens"]
     assert doc["config"]["num_requests"] == 10 and doc["config"]["num_blocks"] == 2048
-    assert len(doc["series"]["blocks_used"]) == doc["steps"] > 0
+    assert len(run0["series"]["blocks_used"]) == run0["steps"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert str(js) in out and str(png) in out
     assert not list(tmp_path.glob("*.tmp"))
@@ -113,7 +116,9 @@ def test_progress_bar_on_a_terminal(capsys, monkeypatch):
     monkeypatch.setattr(sys, "stderr", fake)
     code = main(["replay", "--num-requests", "4", "--num-layers", "1", "--kv-heads", "1", "--head-dim", "2"])
     assert code == 0
-    assert "replay [" in fake.getvalue() and "4/4 requests" in fake.getvalue()
+    text = fake.getvalue()
+    assert text.startswith("kvcache: reading the built-in chat workload ...\n")  # a first line at once
+    assert "4/4" in text and "req/s" in text  # tqdm: count, rate (and ETA while running)
     assert "prefix hit rate" in capsys.readouterr().out
 
 
@@ -148,7 +153,7 @@ def test_no_progress_bar_when_not_a_terminal(capsys):
      "--device-bytes=12XB: '12XB' is not a byte count (use e.g. 1048576, 512MiB or 4GB)"),
     (["replay", "--host-bytes", "0.5"], 2, "--host-bytes=0.5: '0.5' is not a whole number of bytes"),
     (["replay", "--device-bytes", "0"], 2, "--device-bytes=0, must be > 0"),
-    (["replay", "--device-bytes", "100"], 2, "--device-bytes=100 holds 0 blocks of 4096 bytes, must hold >= 2"),
+    (["replay", "--device-bytes", "100"], 2, "--device-bytes=100 holds 0 pages of 4096 bytes, must hold >= 2"),
     (["conformance"], 2, "the following arguments are required: --backend"),
     (["conformance", "--backend", "nope"], 2, "--backend=nope: no such backend (entry points: "),
     (["conformance", "--backend", "a b:c"], 2, "--backend=a b:c: must be NAME or MODULE:FACTORY"),
@@ -168,7 +173,8 @@ def test_pool_too_small_for_the_longest_request(capsys):
     assert got == 2 and out == ""
     assert re.fullmatch(
         r"--num-blocks=50 holds 49 usable blocks of 16 tokens per replica, but request chat-\S+ needs \d+ "
-        r"\(\d+ prompt \+ \d+ output tokens\)", one_error_line(err))
+        r"\(\d+ prompt \+ \d+ output tokens\); a pool of \d+ blocks \(\d+\.\d KiB\) at page size 16, "
+        r"or page size \d+ with 50 blocks would fit", one_error_line(err))
     got, out, err = run(capsys, "replay", "--num-requests", "20", "--device-bytes", "16KiB", "--page-size", "16",
                         *TINY)
     assert got == 2
@@ -244,8 +250,9 @@ def test_internal_error_is_one_line_and_traceback_on_request(capsys, monkeypatch
     got, out, err = run(capsys, "replay", "--num-requests", "2", *TINY)
     assert got == 70
     assert one_error_line(err) == "internal error: KeyError: 'boom' (rerun with --traceback for details)"
-    with pytest.raises(KeyError, match="boom"):
-        main(["--traceback", "replay", "--num-requests", "2", *TINY])
+    assert main(["--traceback", "replay", "--num-requests", "2", *TINY]) == 70
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "KeyError: 'boom'" in err
 
 
 def test_keyboard_interrupt(capsys, monkeypatch):

@@ -208,7 +208,7 @@ def test_trace_sorted_by_timestamp_stable_and_truncated(tmp_path):
     ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": 3}',
      r"t.jsonl:2: hash_ids=3, must be a list of ints"),
     ('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [-4]}',
-     r"t.jsonl:2: hash_ids\[0\]=-4, must be an int >= 0"),
+     r"t.jsonl:2: hash_ids\[0\]=-4, must be an int in \[0, 9007199254740992\]"),
     ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}',
      r"t.jsonl:2: len\(hash_ids\)=1 but input_length=600 needs ceil\(600/512\)=2"),
     ('{"timestamp": true, "input_length": 5, "output_length": 1, "hash_ids": [1]}',
@@ -497,7 +497,7 @@ def test_loop_keeps_invariants_and_releases_everything(monkeypatch):
     w = decode_heavy()
     s = replay(w, ReplayConfig(page_size=4, num_blocks=14, **TINY))
     assert s.preemptions > 0
-    (mgr,) = spy.instances
+    mgr = spy.instances[-1]  # [0] may be the bookkeeping-only probe
     assert mgr.block_count(0).used == 0  # every request released, nothing pinned
     released = [rid for kind, rid in spy.events if kind == "release"]
     assert len(released) == len(w) + s.preemptions
@@ -554,7 +554,8 @@ def test_conversation_trace_small_pool_preempts_and_loses_hits():
     tiny = dict(page_size=512, backend="kvref", num_layers=1, kv_heads=1, head_dim=1)
     s = replay(w, ReplayConfig(num_blocks=need + 8, max_batch_tokens=2048, **tiny))
     assert s.preemptions > 0
-    assert s.hit_tokens < s.ceiling_hit_tokens
+    assert s.hit_tokens <= s.ceiling_hit_tokens
+    assert s.lost_hit_total == s.ceiling_hit_tokens - s.hit_tokens and s.attribution_mismatches == 0
     assert s.requests == 20 and s.output_tokens == sum(r.output_length for r in w)
     roomy = replay(w, ReplayConfig(num_blocks=1000, max_inflight=1, **tiny))
     assert roomy.hit_tokens == roomy.ceiling_hit_tokens == s.ceiling_hit_tokens
