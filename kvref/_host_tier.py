@@ -1,9 +1,12 @@
 """The host tier: a fixed arena of page-sized slots with its own prefix index (DESIGN §5).
 
-The arena is one ``uint8 [num_slots, page_bytes]`` NumPy array allocated at
-``TieredConnector.attach``; on a GPU the fast path (``kvfast``) allocates it
-as pinned host memory so copies to and from device pages run on a copy
-engine. Here it is plain memory.
+The arena is one ``uint8 [num_slots, page_bytes]`` array that
+``TieredConnector.attach`` takes from the page store (``store.alloc_host``:
+pinned host memory on a GPU, plain NumPy memory on the CPU). In
+bookkeeping-only mode there is no arena (``arena is None``): the index, the
+slot accounting and the LRU run as usual and no byte is stored. Slots are
+handed out lazily (a counter plus a list of released slots), so a huge arena
+costs memory only for the entries it holds (spec/tiers.md §11).
 
 Entries move through three states:
 
@@ -48,12 +51,14 @@ class HostEntry:
 
 @dataclass(slots=True)
 class Evicted:
-    """A ready block pushed out of the host tier; ``data`` is a copy of its slot
-    bytes when the caller asked for it (write-back), else None."""
+    """A ready block pushed out of the host tier. ``wanted``: the caller asked
+    for it (write-back); ``data`` is then a copy of its slot bytes (None in
+    bookkeeping-only mode, where there are no bytes)."""
 
     block_hash: bytes
     tokens: np.ndarray
     data: np.ndarray | None = field(default=None)
+    wanted: bool = False
 
 
 class HostTier(EntryIndex):
@@ -65,22 +70,35 @@ class HostTier(EntryIndex):
         Slots in the arena (``host_bytes // page_bytes``; may be 0).
     page_bytes : int
         Bytes of one device page (one block, every layer's K and V).
+    arena : ndarray uint8 [num_slots, page_bytes] or None
+        The slot bytes; None in bookkeeping-only mode.
     """
 
-    def __init__(self, num_slots: int, page_bytes: int):
+    def __init__(self, num_slots: int, page_bytes: int, arena: np.ndarray | None = None):
         self.num_slots = num_slots
         self.page_bytes = page_bytes
-        #: uint8 [num_slots, page_bytes]: the slot bytes.
-        self.arena = np.zeros((num_slots, page_bytes), dtype=np.uint8)
-        # pop() hands out the lowest slot first
-        self._free_slots: list[int] = list(range(num_slots - 1, -1, -1))
+        #: uint8 [num_slots, page_bytes]: the slot bytes (None: bookkeeping only).
+        self.arena = arena
+        # Slots never used are handed out in ascending order (a counter); a released
+        # slot is reused first, last released first.
+        self._fresh = 0
+        self._released: list[int] = []
         super().__init__()
 
     # ------------------------------------------------------------------ queries
 
     @property
     def used_slots(self) -> int:
-        return self.num_slots - len(self._free_slots)
+        return self._fresh - len(self._released)
+
+    def _has_free_slot(self) -> bool:
+        return bool(self._released) or self._fresh < self.num_slots
+
+    def _pop_slot(self) -> int:
+        if self._released:
+            return self._released.pop()
+        self._fresh += 1
+        return self._fresh - 1
 
     # ------------------------------------------------------------------ mutations
 
@@ -94,14 +112,14 @@ class HostTier(EntryIndex):
         if block_hash in self._index:
             return None, []
         evicted: list[Evicted] = []
-        if not self._free_slots:
+        if not self._has_free_slot():
             victim = next(self._evictable(), None)
             if victim is None:
                 return None, []
-            data = self.arena[victim.slot].copy() if copy_evicted else None
-            evicted.append(Evicted(victim.block_hash, victim.tokens, data))
+            data = self.arena[victim.slot].copy() if copy_evicted and self.arena is not None else None
+            evicted.append(Evicted(victim.block_hash, victim.tokens, data, wanted=copy_evicted))
             self._release(victim)
-        slot = self._free_slots.pop()
+        slot = self._pop_slot()
         entry = HostEntry(bytes(block_hash), np.array(tokens, dtype=np.int32), slot)
         self._index[entry.block_hash] = entry
         return entry, evicted
@@ -116,7 +134,7 @@ class HostTier(EntryIndex):
     def _release(self, entry: HostEntry) -> None:
         if self._index.get(entry.block_hash) is entry:
             del self._index[entry.block_hash]
-            self._free_slots.append(entry.slot)
+            self._released.append(entry.slot)
 
     # ------------------------------------------------------------------ invariants
 
@@ -125,9 +143,12 @@ class HostTier(EntryIndex):
         p = "HostTier.check_invariants"
         slots = [e.slot for e in self._index.values()]
         assert len(set(slots)) == len(slots), f"{p}: a slot is held by two entries"
-        assert not set(slots) & set(self._free_slots), f"{p}: a held slot is also free"
-        assert len(slots) + len(self._free_slots) == self.num_slots, (
-            f"{p}: {len(slots)} held + {len(self._free_slots)} free != {self.num_slots} slots"
+        assert not set(slots) & set(self._released), f"{p}: a held slot is also free"
+        assert all(0 <= s < self._fresh <= self.num_slots for s in slots + self._released), (
+            f"{p}: a slot outside [0, {self._fresh}) of {self.num_slots}"
+        )
+        assert len(slots) + len(self._released) == self._fresh, (
+            f"{p}: {len(slots)} held + {len(self._released)} released != {self._fresh} slots handed out"
         )
         for h, e in self._index.items():
             assert e.block_hash == h, f"{p}: entry under {h.hex()[:12]} holds {e.block_hash.hex()[:12]}"

@@ -21,15 +21,25 @@ Key per block::
 
     {namespace}:{hash_algo}:{geometry_digest_hex16}:{block_hash_hex}
 
-Value: a header (``VALUE_HEADER`` table in the spec) then the block's K/V bytes.
+The geometry digest covers the model (``KVCacheParams.model_id``), so two
+models never share a key. Value: a header (spec/remote-tier.md §2) then the
+block's K/V bytes. Without a secret the value carries the token ids in clear
+and an xxh3-128 checksum over key, header and payload (it detects accidents,
+not forgery: anyone who can write to the store can poison it). With
+``secret=`` every value carries an HMAC-SHA256 tag over key, header and
+payload and only a keyed digest of the token ids; a value without a valid
+tag is refused and counted (``auth_failures``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
+import ipaddress
 import json
 import math
+import os
 import re
 import struct
 import threading
@@ -47,12 +57,25 @@ from kvspec._manager_types import DEFAULT_LEAF_ID, KVCacheParams, LeafKind
 from kvspec.errors import KVLoadRefused
 from kvspec.hashing import HASH_ALGOS
 
-__all__ = ["RemoteTier", "RemoteTierMetrics", "FORMAT_VERSION", "MAGIC", "geometry_digest"]
+__all__ = ["RemoteTier", "RemoteTierMetrics", "FORMAT_VERSION", "AUTH_FORMAT_VERSION", "MAGIC",
+           "geometry_digest", "redact_url"]
 
 #: First bytes of every stored value.
 MAGIC = b"KVRT"
-#: Version of the value layout; a reader refuses any other.
-FORMAT_VERSION = 1
+#: Version of the value layout without a secret (tokens in clear, xxh3-128 checksum).
+FORMAT_VERSION = 2
+#: Version of the authenticated layout (keyed token digest, HMAC-SHA256 tag).
+AUTH_FORMAT_VERSION = 3
+#: Bounds of the numeric arguments (spec/remote-tier.md §4): Redis expiries are
+#: int64 milliseconds added to the server clock; a timeout beyond an hour or a
+#: reconnect pause beyond a day is a typo, not a setting.
+MAX_TTL_S = float(2**32)
+MAX_TIMEOUT_S = 3600.0
+MAX_RECONNECT_INTERVAL_S = 86400.0
+#: A secret shorter than this is refused (HMAC-SHA256 wants 32 random bytes).
+MIN_SECRET_BYTES = 16
+_TAG_SIZE = 32
+_TOKEN_DIGEST_SIZE = 32
 # Spec remote-tier §2: one byte per hash algorithm in the value header.
 _ALGO_IDS = {"sha256": 1, "xxh3_128": 2}
 # magic, version, algorithm id, digest size, geometry digest, tokens per block, payload length
@@ -87,6 +110,9 @@ class RemoteTierMetrics:
     blocks_already_present: int = 0
     #: ``get_many`` calls refused because a value was missing or failed verification.
     loads_refused: int = 0
+    #: Values refused for authentication: a missing or wrong tag (forged, or
+    #: written with another or no secret). Also counted in ``loads_refused``.
+    auth_failures: int = 0
     #: ``get_many`` calls refused because the store did not answer (down, timeout).
     loads_failed: int = 0
     #: Blocks ``put_many`` could not store because the store did not answer.
@@ -126,6 +152,7 @@ def _geometry_fields(geometry: KVCacheParams | Mapping[str, Any], leaf_id: str) 
             raise ValueError(f"{o}: leaf_id={leaf_id!r} is a recurrent leaf, must be full or sliding-window")
         values = {f: getattr(geometry, f) for f in _GEOMETRY_FIELDS}
         values["dtype"] = geometry.dtype
+        values["model_id"] = geometry.model_id
     elif isinstance(geometry, Mapping):
         missing = [f for f in (*_GEOMETRY_FIELDS, "dtype") if f not in geometry]
         if missing:
@@ -138,6 +165,10 @@ def _geometry_fields(geometry: KVCacheParams | Mapping[str, Any], leaf_id: str) 
         if name not in KV_DTYPES:
             raise ValueError(f"{o}: geometry['dtype']={geometry['dtype']!r}, must be one of {sorted(KV_DTYPES)}")
         values["dtype"] = name
+        model_id = geometry.get("model_id", "")
+        if not isinstance(model_id, str):
+            raise TypeError(f"{o}: geometry['model_id']={model_id!r}, must be a str")
+        values["model_id"] = model_id
     else:
         raise TypeError(f"{o}: geometry={geometry!r}, must be KVCacheParams or a mapping")
     values["leaf_id"] = leaf_id
@@ -145,10 +176,10 @@ def _geometry_fields(geometry: KVCacheParams | Mapping[str, Any], leaf_id: str) 
 
 
 def geometry_digest(geometry: KVCacheParams | Mapping[str, Any], leaf_id: str = DEFAULT_LEAF_ID) -> bytes:
-    """8-byte digest of a block geometry: layers, heads, head dim, page size, dtype, leaf.
+    """8-byte digest of a block geometry: layers, heads, head dim, page size, dtype, leaf, model.
 
     ``sha256(b"kvcache-remote/geometry/v1" + canonical JSON)[:8]``; two models
-    or geometries never share a key prefix.
+    (``model_id``) or geometries never share a key prefix.
     """
     if not isinstance(leaf_id, str) or not leaf_id:
         raise ValueError(f"RemoteTier.bind: leaf_id={leaf_id!r}, must be a non-empty str")
@@ -159,45 +190,95 @@ def geometry_digest(geometry: KVCacheParams | Mapping[str, Any], leaf_id: str = 
 # --------------------------------------------------------------------------- url
 
 
-def _mask_password(url: str) -> str:
-    """``redis://user:secret@host`` -> ``redis://user:***@host``."""
-    return re.sub(r"(//[^/@]*?:)[^/@]*@", r"\1***@", url)
+def redact_url(url: str) -> str:
+    """The URL with its credentials masked: ``redis://user:secret@host`` ->
+    ``redis://user:***@host``, ``redis://:secret@host`` -> ``redis://:***@host``,
+    ``redis://secret@host`` -> ``redis://***@host``. Everything up to the
+    **last** ``@`` is credentials, so a password holding ``@``, ``/`` or ``:``
+    never shows."""
+    if not isinstance(url, str):
+        return repr(type(url).__name__)
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return "***" if "@" in url else url
+    if "@" not in rest:
+        return url
+    creds, host = rest.rsplit("@", 1)
+    user = creds.split(":", 1)[0] if ":" in creds else None
+    shown = "***" if user is None else f"{user}:***"
+    return f"{scheme}://{shown}@{host}"
 
 
 def _parse_url(url: str) -> dict[str, Any]:
-    """``redis://[user:pw@]host[:port][/db]`` or ``redis+cluster://[user:pw@]host[:port]``."""
+    """``redis://[user:pw@]host[:port][/db]`` or ``redis+cluster://[user:pw@]host[:port]``;
+    ``host`` may be a bracketed IPv6 literal (``redis://[::1]:6379/0``)."""
     o = "RemoteTier"
     if not isinstance(url, str):
-        raise TypeError(f"{o}: url={url!r}, must be a str")
-    raw, url = url, _mask_password(url)  # messages never carry a password
-    parts = urlsplit(raw)
-    if parts.scheme not in ("redis", "redis+cluster"):
-        raise ValueError(f"{o}: url={url!r} scheme={parts.scheme!r}, must be 'redis' or 'redis+cluster'")
-    if not parts.hostname:
-        raise ValueError(f"{o}: url={url!r} has no host, must be redis://host:port/db")
-    if parts.query or parts.fragment:
-        raise ValueError(f"{o}: url={url!r} has a query or fragment, must have none")
+        raise TypeError(f"{o}: url type={type(url).__name__}, must be a str")
+    shown = redact_url(url)  # spec/remote-tier.md §4: messages never carry a password
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in ("redis", "redis+cluster"):
+        raise ValueError(f"{o}: url={shown!r} scheme={scheme if sep else ''!r}, must be 'redis' or 'redis+cluster'")
+    creds, at, hostpart = rest.rpartition("@")
+    if not at:
+        creds, hostpart = "", rest
     try:
-        port = parts.port if parts.port is not None else _DEFAULT_PORT
+        parts = urlsplit(f"{scheme}://{hostpart}")
+        hostname, port = parts.hostname, parts.port
     except ValueError:
-        raise ValueError(f"{o}: url={url!r} has an invalid port, must be in [1, 65535]") from None
+        raise ValueError(f"{o}: url={shown!r} has an invalid host or port, must be host[:port] with port in [1, 65535]") from None
+    if not hostname:
+        raise ValueError(f"{o}: url={shown!r} has no host, must be redis://host:port/db")
+    if "[" in parts.netloc:
+        try:
+            ipaddress.IPv6Address(hostname.split("%", 1)[0])
+        except ValueError:
+            raise ValueError(f"{o}: url={shown!r} has a bracketed host that is not an IPv6 address") from None
+    if parts.query or parts.fragment:
+        raise ValueError(f"{o}: url={shown!r} has a query or fragment, must have none")
+    port = _DEFAULT_PORT if port is None else port
     if not 1 <= port <= 65535:
-        raise ValueError(f"{o}: url={url!r} port={port}, must be in [1, 65535]")
+        raise ValueError(f"{o}: url={shown!r} port={port}, must be in [1, 65535]")
     path = parts.path.strip("/")
-    if path and not path.isdigit():
-        raise ValueError(f"{o}: url={url!r} db={path!r}, must be a non-negative integer")
+    if path and not (path.isdigit() and path.isascii() and len(path) <= 5):
+        raise ValueError(f"{o}: url={shown!r} db={path!r}, must be an integer in [0, 99999]")
     db = int(path) if path else 0
-    cluster = parts.scheme == "redis+cluster"
+    cluster = scheme == "redis+cluster"
     if cluster and db != 0:
-        raise ValueError(f"{o}: url={url!r} db={db}, must be 0 for redis+cluster (Cluster has one database)")
+        raise ValueError(f"{o}: url={shown!r} db={db}, must be 0 for redis+cluster (Cluster has one database)")
+    username, password = None, None
+    if at:
+        user, colon, pw = creds.partition(":")
+        if colon:
+            username, password = (unquote(user) or None), unquote(pw)
+        else:
+            password = unquote(user)  # redis://secret@host: redis-py reads a lone credential as the password
     return {
-        "cluster": cluster,
-        "host": parts.hostname,
-        "port": port,
-        "db": db,
-        "username": unquote(parts.username) if parts.username else None,
-        "password": unquote(parts.password) if parts.password else None,
+        "cluster": cluster, "host": hostname, "port": port, "db": db,
+        "username": username, "password": password or None,
     }
+
+
+def _resolve_secret(o: str, secret) -> bytes | None:
+    """``secret`` as key bytes: bytes as given, a str names an environment variable."""
+    if secret is None:
+        return None
+    if isinstance(secret, (bytes, bytearray)):
+        key = bytes(secret)
+        where = "remote_secret"
+    elif isinstance(secret, str):
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,127}", secret):
+            raise ValueError(f"{o}: secret={secret!r}, a str must name an environment variable ([A-Za-z_][A-Za-z0-9_]*)")
+        if secret not in os.environ:
+            raise ValueError(f"{o}: secret names environment variable {secret!r}, which is not set")
+        key = os.environ[secret].encode("utf-8", "surrogateescape")
+        where = f"environment variable {secret!r}"
+    else:
+        raise TypeError(f"{o}: secret type={type(secret).__name__}, must be bytes or the name of an environment variable")
+    if len(key) < MIN_SECRET_BYTES:
+        # never the value itself in a message
+        raise ValueError(f"{o}: secret from {where} has {len(key)} bytes, must be >= {MIN_SECRET_BYTES}")
+    return key
 
 
 def _payload_bytes(o: str, i: int, payload) -> bytes:
@@ -271,20 +352,26 @@ class RemoteTier:
         ttl_s: float | None = None,
         timeout_s: float = 0.05,
         reconnect_interval_s: float = 1.0,
+        secret: bytes | str | None = None,
     ):
         o = "RemoteTier"
         target = _parse_url(url)
         if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
             raise ValueError(f"{o}: namespace={namespace!r}, must be 1-64 characters of [A-Za-z0-9_.-/]")
         if ttl_s is not None:
-            ttl_s = self._check_seconds(o, "ttl_s", ttl_s, allow_zero=False)
+            ttl_s = self._check_seconds(o, "ttl_s", ttl_s, allow_zero=False, high=MAX_TTL_S)
             if ttl_s < 0.001:
                 raise ValueError(f"{o}: ttl_s={ttl_s}, must be >= 0.001 (Redis expires in milliseconds)")
-        timeout_s = self._check_seconds(o, "timeout_s", timeout_s, allow_zero=False)
-        reconnect_interval_s = self._check_seconds(o, "reconnect_interval_s", reconnect_interval_s, allow_zero=True)
+        timeout_s = self._check_seconds(o, "timeout_s", timeout_s, allow_zero=False, high=MAX_TIMEOUT_S)
+        if timeout_s < 0.001:
+            raise ValueError(f"{o}: timeout_s={timeout_s}, must be >= 0.001")
+        reconnect_interval_s = self._check_seconds(o, "reconnect_interval_s", reconnect_interval_s, allow_zero=True,
+                                                   high=MAX_RECONNECT_INTERVAL_S)
+        key = _resolve_secret(o, secret)
         import redis  # noqa: F401  (fail at construction, not at the first call, when the extra is missing)
 
-        self._url = _mask_password(url)
+        self._secret = key
+        self._url = redact_url(url)
         self._target = target
         self._namespace = namespace
         self._ttl_ms = None if ttl_s is None else max(1, math.ceil(ttl_s * 1000))
@@ -307,12 +394,17 @@ class RemoteTier:
         self._page_bytes = 0
 
     @staticmethod
-    def _check_seconds(o: str, name: str, value, *, allow_zero: bool) -> float:
+    def _check_seconds(o: str, name: str, value, *, allow_zero: bool, high: float) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
             raise TypeError(f"{o}: {name}={value!r}, must be a number of seconds")
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:
+            raise ValueError(f"{o}: {name}={value}, must be <= {high:g}") from None
         if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
             raise ValueError(f"{o}: {name}={value}, must be {'>= 0' if allow_zero else '> 0'} and finite")
+        if value > high:
+            raise ValueError(f"{o}: {name}={value:g}, must be <= {high:g}")
         return value
 
     # ------------------------------------------------------------------ properties
@@ -330,6 +422,11 @@ class RemoteTier:
     @property
     def namespace(self) -> str:
         return self._namespace
+
+    @property
+    def authenticated(self) -> bool:
+        """True when values are authenticated with ``secret`` (HMAC-SHA256)."""
+        return self._secret is not None
 
     @property
     def ttl_s(self) -> float | None:
@@ -549,11 +646,12 @@ class RemoteTier:
                 block_hash=hashes[0],
             )
         payloads = []
-        for i, (h, value) in enumerate(zip(hashes, values)):
-            problem = self._verify(h, rows[i], value)
+        for i, (k, h, value) in enumerate(zip(keys, hashes, values)):
+            problem, auth = self._verify(k, h, rows[i], value)
             if problem is not None:
                 with self._lock:
                     self._metrics.loads_refused += 1
+                    self._metrics.auth_failures += int(auth)
                 raise KVLoadRefused(f"{o}: hashes[{i}]={h.hex()[:16]}… {problem}", block_hash=h)
             payloads.append(value[len(value) - self._page_bytes :])
         with self._lock:
@@ -604,8 +702,8 @@ class RemoteTier:
             data.append(b)
         if not hashes:
             return 0
-        values = [self._encode(h, rows[i], data[i]) for i, h in enumerate(hashes)]
         keys = [self._key_prefix + h.hex() for h in hashes]
+        values = [self._encode(k, h, rows[i], data[i]) for i, (k, h) in enumerate(zip(keys, hashes))]
         ttl_ms = self._ttl_ms
 
         def run(client):
@@ -673,64 +771,101 @@ class RemoteTier:
         state = "closed" if self._closed else ("connected" if self._client is not None else "disconnected")
         return (
             f"RemoteTier({self._redacted_url()!r}, namespace={self._namespace!r}, ttl_s={self._ttl_s}, "
-            f"timeout_s={self._timeout_s}, hash_algo={self._hash_algo!r}, {state})"
+            f"timeout_s={self._timeout_s}, hash_algo={self._hash_algo!r}, "
+            f"authenticated={self._secret is not None}, {state})"
         )
 
     # ------------------------------------------------------------------ values
 
-    def _encode(self, block_hash: bytes, tokens: np.ndarray, payload: bytes) -> bytes:
-        """Header (spec remote-tier §2) + payload."""
+    def _token_field(self, key: bytes, tokens: np.ndarray) -> bytes:
+        """The stored token field: the ids in clear, or with a secret their keyed
+        digest (spec/remote-tier.md §2: prompts are not stored in clear)."""
+        raw = np.asarray(tokens).astype("<i4", copy=False).tobytes()
+        if self._secret is None:
+            return raw
+        return hmac.new(self._secret, b"kvcache-remote/tokens/v1\0" + key + b"\0" + raw, hashlib.sha256).digest()
+
+    def _tag(self, key: bytes, head: bytes, payload) -> bytes:
+        """The integrity field over key, header and payload: xxh3-128 (accidents
+        only) or, with a secret, HMAC-SHA256 (forgery too)."""
+        if self._secret is None:
+            h = xxhash.xxh3_128(key)
+        else:
+            h = hmac.new(self._secret, key, hashlib.sha256)
+        h.update(head)
+        h.update(payload)
+        return h.digest()
+
+    def _encode(self, key: str, block_hash: bytes, tokens: np.ndarray, payload: bytes) -> bytes:
+        """Header (spec/remote-tier.md §2) + payload."""
+        version = FORMAT_VERSION if self._secret is None else AUTH_FORMAT_VERSION
+        kb = key.encode()
         head = (
             _FIXED.pack(
-                MAGIC, FORMAT_VERSION, _ALGO_IDS[self._hash_algo], self._digest_size,
+                MAGIC, version, _ALGO_IDS[self._hash_algo], self._digest_size,
                 self._geometry_digest, self._page_size, len(payload),
             )
             + block_hash
-            + tokens.astype("<i4", copy=False).tobytes()
+            + self._token_field(kb, tokens)
         )
-        checksum = xxhash.xxh3_128(head)
-        checksum.update(payload)
-        return head + checksum.digest() + payload
+        return head + self._tag(kb, head, payload) + payload
 
     def _header_size(self) -> int:
-        return _FIXED.size + self._digest_size + 4 * self._page_size + _CHECKSUM_SIZE
+        if self._secret is None:
+            return _FIXED.size + self._digest_size + 4 * self._page_size + _CHECKSUM_SIZE
+        return _FIXED.size + self._digest_size + _TOKEN_DIGEST_SIZE + _TAG_SIZE
 
-    def _verify(self, block_hash: bytes, tokens: np.ndarray, value) -> str | None:
-        """Why ``value`` must not be served for ``block_hash`` and ``tokens``; None if it may."""
+    def _verify(self, key: str, block_hash: bytes, tokens: np.ndarray, value) -> tuple[str | None, bool]:
+        """``(why value must not be served, is it an authentication failure)``; ``(None, False)`` if it may."""
         if value is None:
-            return "not in the store (evicted or expired since the lookup)"
+            return "not in the store (evicted or expired since the lookup)", False
         if not isinstance(value, bytes):
-            return f"value type={type(value).__name__}, must be bytes"
+            return f"value type={type(value).__name__}, must be bytes", False
         header = self._header_size()
+        want_version = FORMAT_VERSION if self._secret is None else AUTH_FORMAT_VERSION
         if len(value) < _FIXED.size:
-            return f"value length={len(value)} < fixed header {_FIXED.size}"
+            return f"value length={len(value)} < fixed header {_FIXED.size}", self._secret is not None
         magic, version, algo, dsize, geo, page_size, length = _FIXED.unpack_from(value)
         if magic != MAGIC:
-            return f"magic={magic!r} but expected {MAGIC!r}"
-        if version != FORMAT_VERSION:
-            return f"format version={version} but expected {FORMAT_VERSION}"
+            return f"magic={magic!r} but expected {MAGIC!r}", self._secret is not None
+        if version != want_version:
+            if version == AUTH_FORMAT_VERSION:
+                return "authenticated value (format version=3) but this tier has no remote_secret", True
+            if self._secret is not None and version == FORMAT_VERSION:
+                return "unauthenticated value (format version=2): this tier requires a valid tag", True
+            return f"format version={version} but expected {want_version}", self._secret is not None
+        kb = key.encode()
+        if self._secret is not None:
+            # spec/remote-tier.md §2: the tag is checked before any other field is believed.
+            if len(value) != header + self._page_bytes:
+                return f"value length={len(value)} but expected {header + self._page_bytes} (truncated or padded)", True
+            at = header - _TAG_SIZE
+            want = self._tag(kb, value[:at], memoryview(value)[header:])
+            if not hmac.compare_digest(value[at:header], want):
+                return "authentication tag does not match (forged, or written with another secret or key)", True
         if algo != _ALGO_IDS[self._hash_algo] or dsize != self._digest_size:
-            return f"hash algorithm id={algo} (digest {dsize} B) but expected {self._hash_algo!r}"
+            return f"hash algorithm id={algo} (digest {dsize} B) but expected {self._hash_algo!r}", False
         if geo != self._geometry_digest:
-            return f"geometry digest={geo.hex()} but expected {self._geometry_digest.hex()}"
+            return f"geometry digest={geo.hex()} but expected {self._geometry_digest.hex()}", False
         if page_size != self._page_size:
-            return f"tokens per block={page_size} but expected {self._page_size}"
+            return f"tokens per block={page_size} but expected {self._page_size}", False
         if length != self._page_bytes:
-            return f"payload length={length} but expected page_bytes={self._page_bytes}"
+            return f"payload length={length} but expected page_bytes={self._page_bytes}", False
         if len(value) != header + length:
-            return f"value length={len(value)} but header says {header + length} (truncated or padded)"
+            return f"value length={len(value)} but header says {header + length} (truncated or padded)", False
         at = _FIXED.size
         if value[at : at + dsize] != block_hash:
-            return f"stored block hash={value[at : at + dsize].hex()[:16]}… differs"
+            return f"stored block hash={value[at : at + dsize].hex()[:16]}… differs", False
         at += dsize
-        if value[at : at + 4 * page_size] != tokens.astype("<i4", copy=False).tobytes():
-            return "stored token ids differ from the requested ones"
-        at += 4 * page_size
-        checksum = xxhash.xxh3_128(value[:at])
-        checksum.update(memoryview(value)[header:])
-        if value[at : at + _CHECKSUM_SIZE] != checksum.digest():
-            return f"checksum={value[at : at + _CHECKSUM_SIZE].hex()} but computed {checksum.hexdigest()}"
-        return None
+        field = self._token_field(kb, tokens)
+        if not hmac.compare_digest(value[at : at + len(field)], field):
+            return "stored token ids differ from the requested ones", False
+        at += len(field)
+        if self._secret is None:
+            checksum = self._tag(kb, value[:at], memoryview(value)[header:])
+            if value[at : at + _CHECKSUM_SIZE] != checksum:
+                return f"checksum={value[at : at + _CHECKSUM_SIZE].hex()} but computed {checksum.hex()}", False
+        return None, False
 
     # ------------------------------------------------------------------ checks
 
@@ -770,7 +905,8 @@ class RemoteTier:
     def _redacted_url(self) -> str:
         t = self._target
         scheme = "redis+cluster" if t["cluster"] else "redis"
-        return f"{scheme}://{t['host']}:{t['port']}" + ("" if t["cluster"] else f"/{t['db']}")
+        host = f"[{t['host']}]" if ":" in t["host"] else t["host"]
+        return f"{scheme}://{host}:{t['port']}" + ("" if t["cluster"] else f"/{t['db']}")
 
     # ------------------------------------------------------------------ transport
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ import numpy as np
 
 from kvspec._config import check_int
 from kvspec._manager_types import ByteCount, CompletedTransfer, KVCacheMetrics, KVCacheParams, KVTransfer
+from kvspec._page_store import HostPageStore, PageStore
 from kvspec.errors import KVLoadFailed, KVLoadRefused
 from kvspec.hashing import digest_size
 
@@ -44,11 +46,16 @@ from ._disk_tier import DiskBlockError, DiskTier, geometry_of
 from ._host_tier import Evicted, HostTier
 from ._remote_tier import RemoteTier, RemoteTierMetrics
 
-__all__ = ["TieredConnector", "TierTransfer", "TierStats", "WRITE_POLICIES"]
+__all__ = ["TieredConnector", "TierTransfer", "TierStats", "WRITE_POLICIES", "MAX_TIER_BYTES", "MAX_WORKERS"]
 
 #: ``write_through``: every offload goes to host and disk. ``write_back``:
 #: offloads go to host; a block evicted from host is then written to disk.
 WRITE_POLICIES = ("write_through", "write_back")
+#: Upper bound of ``host_bytes`` and ``disk_bytes`` (4 EiB): sizes are planned in
+#: bookkeeping-only mode far beyond any machine, never beyond int64 arithmetic.
+MAX_TIER_BYTES = 2**62
+#: Upper bound of ``num_workers``.
+MAX_WORKERS = 256
 
 
 # --------------------------------------------------------------------------- transfers
@@ -114,6 +121,12 @@ class TierStats:
         Loads whose copy failed in a worker (``KVLoadFailed``).
     disk_write_errors : int
         Block writes that raised ``OSError`` (full or read-only disk).
+    reset_failures : int
+        ``reset_prefix_cache`` calls refused because the disk tier could not
+        persist its new generation (the reset raised ``RuntimeError``).
+    stale_writes_dropped : int
+        Writes (offloads, promotions, write-back evictions) dropped because a
+        ``reset_prefix_cache`` happened after they were posted.
     """
 
     host_blocks: int = 0
@@ -124,6 +137,8 @@ class TierStats:
     files_rejected: int = 0
     load_failures: int = 0
     disk_write_errors: int = 0
+    reset_failures: int = 0
+    stale_writes_dropped: int = 0
 
 
 # --------------------------------------------------------------------------- connector
@@ -190,22 +205,26 @@ class TieredConnector:
         remote_ttl_s: float | None = None,
         remote_timeout_s: float = 0.05,
         remote_reconnect_interval_s: float = 1.0,
+        remote_secret: bytes | str | None = None,
     ):
         o = "TieredConnector"
-        host_bytes = check_int(o, "host_bytes", host_bytes, low=0)
-        disk_bytes = check_int(o, "disk_bytes", disk_bytes, low=0)
+        host_bytes = check_int(o, "host_bytes", host_bytes, low=0, high=MAX_TIER_BYTES)
+        disk_bytes = check_int(o, "disk_bytes", disk_bytes, low=0, high=MAX_TIER_BYTES)
         if disk_dir is not None and not isinstance(disk_dir, (str, os.PathLike)):
             raise TypeError(f"{o}: disk_dir={disk_dir!r}, must be a str, os.PathLike or None")
         if disk_bytes and (disk_dir is None or os.fspath(disk_dir) == ""):
             raise ValueError(f"{o}: disk_bytes={disk_bytes} > 0 needs disk_dir, got disk_dir={disk_dir!r}")
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"{o}: write_policy={write_policy!r}, must be one of {list(WRITE_POLICIES)}")
-        num_workers = check_int(o, "num_workers", num_workers, low=1)
+        num_workers = check_int(o, "num_workers", num_workers, low=1, high=MAX_WORKERS)
         remote = None
         if remote_url is not None:
             # Spec remote-tier §7: validated here (no I/O); bound to the geometry at attach.
             remote = RemoteTier(remote_url, namespace=remote_namespace, ttl_s=remote_ttl_s,
-                                timeout_s=remote_timeout_s, reconnect_interval_s=remote_reconnect_interval_s)
+                                timeout_s=remote_timeout_s, reconnect_interval_s=remote_reconnect_interval_s,
+                                secret=remote_secret)
+        elif remote_secret is not None:
+            raise ValueError(f"{o}: remote_secret given without remote_url")
         self._remote = remote
         self.host_bytes = host_bytes
         self.disk_bytes = disk_bytes
@@ -216,11 +235,15 @@ class TieredConnector:
         self._metrics = KVCacheMetrics()
         self._stats = dict.fromkeys(
             ("warm_start_indexed", "temp_files_removed", "foreign_files", "files_rejected",
-             "load_failures", "disk_write_errors"), 0,
+             "load_failures", "disk_write_errors", "reset_failures", "stale_writes_dropped"), 0,
         )
         self._params: KVCacheParams | None = None
         self._geometry: dict | None = None
-        self._pages: list[np.ndarray] = []
+        self._stores: list[PageStore] = []
+        self._sources: list = []
+        self._owner_ref = None
+        self._owner_name: str | None = None
+        self._holds_bytes = True
         self._page_bytes = 0
         self._host: HostTier | None = None
         self._disk: DiskTier | None = None
@@ -232,91 +255,198 @@ class TieredConnector:
 
     # ------------------------------------------------------------------ attach
 
-    def attach(self, buffers: Sequence[np.ndarray], params: KVCacheParams) -> None:
-        """Bind the device buffers and fix the block geometry; open the tiers.
+    def attach(self, stores: Sequence[PageStore | np.ndarray], params: KVCacheParams, *, owner: object = None) -> None:
+        """Bind the device pages and fix the block geometry and model; open the tiers.
 
         Parameters
         ----------
-        buffers : sequence of ndarray [num_blocks, 2, num_layers, page_size, kv_heads, head_dim]
-            One C-contiguous buffer per replica, dtype ``params.np_dtype``
-            (a single 6-D array is taken as one replica).
+        stores : sequence of PageStore or ndarray [num_blocks, 2, num_layers, page_size, kv_heads, head_dim]
+            One per replica: a ``kvspec.PageStore`` (every read and write of a
+            device page goes through ``store.read``/``store.write``), or a
+            C-contiguous buffer of dtype ``params.np_dtype``, wrapped in a
+            ``HostPageStore`` (a single 6-D array or a single store is taken
+            as one replica). All stores hold bytes, or none does
+            (bookkeeping-only mode, which ``params.allocate_buffers`` must match).
         params : KVCacheParams
-            Geometry, dtype, ``data_parallel_degree`` and ``hash_algo``.
+            Geometry, dtype, ``model_id``, ``data_parallel_degree`` and ``hash_algo``.
+        owner : object, optional
+            Who attaches (the manager). A second attach is accepted only from
+            the same owner (or, without ``owner``, over the same stores) until
+            ``detach``; a collected owner frees the connector.
 
-        The host arena is allocated (``host_bytes // page_bytes`` slots) and
-        the disk directory opened: its ``kvcache-disk.json`` is created, or
-        checked against this geometry and hash algorithm, and existing block
-        files are re-indexed (warm start). Attaching again with the same
-        geometry and algorithm re-binds the buffers and keeps the tiers.
+        The host arena comes from ``stores[0].alloc_host(host_bytes // page_bytes)``
+        (none in bookkeeping-only mode) and the disk directory is opened: its
+        ``kvcache-disk.json`` is created, or checked against this geometry,
+        model and hash algorithm, and existing block files are re-indexed
+        (warm start). Attaching again (same owner, or after ``detach``) with
+        the same geometry, model and algorithm re-binds the stores and keeps
+        the tiers.
 
         Raises
         ------
         TypeError
-            ``params`` is not a ``KVCacheParams`` or a buffer not an ndarray.
+            ``params`` is not a ``KVCacheParams`` or a store neither a
+            ``PageStore`` nor an ndarray.
         ValueError
-            Wrong number of buffers, shape, dtype or layout; a disk directory
-            written with another hash algorithm or block geometry (the
-            message names both), or one that cannot be opened.
+            Wrong number of stores, shape, dtype, layout or page size; stores
+            that disagree on ``holds_bytes`` or with ``params.allocate_buffers``;
+            a host arena that cannot be allocated; a disk directory written
+            with another hash algorithm, geometry or model (the message names
+            both), or one that cannot be opened.
         RuntimeError
-            The connector is shut down, or re-attached with transfers in
-            flight. State is unchanged.
+            The connector is shut down, attached to another live owner's pages
+            (call ``detach`` first), or re-attached with transfers in flight.
+            State is unchanged.
         """
         o = "TieredConnector.attach"
         self._check_open(o)
         if not isinstance(params, KVCacheParams):
             raise TypeError(f"{o}: params={params!r}, must be a KVCacheParams")
-        bufs = [buffers] if isinstance(buffers, np.ndarray) and buffers.ndim == 6 else list(buffers)
-        if len(bufs) != params.data_parallel_degree:
+        single = (isinstance(stores, np.ndarray) and stores.ndim == 6) or (
+            not isinstance(stores, np.ndarray) and isinstance(stores, PageStore))
+        sources = [stores] if single else list(stores)
+        if len(sources) != params.data_parallel_degree:
             raise ValueError(
-                f"{o}: len(buffers)={len(bufs)} != data_parallel_degree={params.data_parallel_degree}"
+                f"{o}: len(stores)={len(sources)} != data_parallel_degree={params.data_parallel_degree}"
             )
-        for i, b in enumerate(bufs):
-            if not isinstance(b, np.ndarray):
-                raise TypeError(f"{o}: buffers[{i}] is {type(b).__name__}, must be a numpy.ndarray")
-            if b.ndim != 6 or b.shape[1:] != params.page_shape or b.shape[0] < 2:
-                raise ValueError(
-                    f"{o}: buffers[{i}].shape={b.shape} != (num_blocks >= 2, *{params.page_shape})"
-                )
-            if b.dtype != params.np_dtype:
-                raise ValueError(f"{o}: buffers[{i}].dtype={b.dtype} != params.dtype={params.dtype}")
-            if not b.flags.c_contiguous:
-                raise ValueError(f"{o}: buffers[{i}] is not C-contiguous; a block must be one contiguous copy")
-        geometry = geometry_of(params.dtype, params.page_shape)
-        pages = [b.reshape(b.shape[0], -1).view(np.uint8) for b in bufs]
+        page_bytes = math.prod(params.page_shape) * params.np_dtype.itemsize
+        bound = [self._as_store(o, i, x, params, page_bytes) for i, x in enumerate(sources)]
+        holds = {st.holds_bytes for st in bound}
+        if len(holds) != 1:
+            raise ValueError(f"{o}: stores disagree on holds_bytes ({[st.holds_bytes for st in bound]}); "
+                             "all hold bytes or none does")
+        holds_bytes = holds.pop()
+        if holds_bytes != params.allocate_buffers:
+            raise ValueError(f"{o}: stores[0].holds_bytes={holds_bytes} but params.allocate_buffers="
+                             f"{params.allocate_buffers}; bookkeeping-only stores go with allocate_buffers=False")
+        geometry = geometry_of(params.dtype, params.page_shape, params.model_id)
         with self._lock:
             if self._geometry is not None:
-                # Spec tiers §2: a re-attach keeps the tiers, so the geometry must not change.
+                # spec/tiers.md §2: a re-attach keeps the tiers, so geometry, model and mode must not change.
                 if geometry != self._geometry or params.hash_algo != self._params.hash_algo:
                     raise ValueError(
                         f"{o}: re-attach with geometry {geometry} hash_algo={params.hash_algo!r}, "
                         f"attached with {self._geometry} hash_algo={self._params.hash_algo!r}"
                     )
+                if holds_bytes != self._holds_bytes:
+                    raise ValueError(f"{o}: re-attach with holds_bytes={holds_bytes}, attached with "
+                                     f"holds_bytes={self._holds_bytes}")
+                # spec/tiers.md §2: one live owner at a time; a second manager would offload its
+                # pages under the first one's hashes (wrong K/V for every later reader).
+                if self._stores and not self._same_owner(owner, sources):
+                    raise RuntimeError(
+                        f"{o}: already attached to the pages of another live owner "
+                        f"({self._owner_name}); call detach() (or shut that manager down) first"
+                    )
                 if self._inflight:
                     raise RuntimeError(f"{o}: {len(self._inflight)} transfers in flight; re-attach after they land")
-                self._pages, self._params = pages, params
+                self._bind(bound, sources, params, owner)
                 return
-        page_bytes = math.prod(params.page_shape) * params.np_dtype.itemsize
         disk = None
         warm = None
+        meta_rejected = 0
         if self.disk_bytes > 0:
-            disk = DiskTier(self.disk_dir, self.disk_bytes, params.hash_algo, geometry, params.page_size, page_bytes)
+            disk = DiskTier(self.disk_dir, self.disk_bytes, params.hash_algo, geometry, params.page_size,
+                            page_bytes, holds_bytes=holds_bytes)
+            if holds_bytes:
+                try:
+                    meta_rejected = disk.check_metadata(o)
+                    warm = disk.open()
+                except OSError as err:
+                    raise ValueError(f"{o}: disk_dir={str(self.disk_dir)!r} cannot be opened: {err}") from err
+        slots = self.host_bytes // page_bytes
+        arena = None
+        if holds_bytes and slots:
             try:
-                disk.check_metadata(o)
-                warm = disk.open()
-            except OSError as err:
-                raise ValueError(f"{o}: disk_dir={str(self.disk_dir)!r} cannot be opened: {err}") from err
-        host = HostTier(self.host_bytes // page_bytes, page_bytes)
+                arena = bound[0].alloc_host(slots)
+            except MemoryError:
+                raise ValueError(
+                    f"{o}: host_bytes={self.host_bytes} needs an arena of {slots} pages of {page_bytes} bytes, "
+                    "which cannot be allocated (use less, or allocate_buffers=False to plan)"
+                ) from None
+            arena = np.asarray(arena)
+            if arena.shape != (slots, page_bytes) or arena.dtype != np.uint8:
+                raise ValueError(f"{o}: stores[0].alloc_host({slots}) returned shape={arena.shape} "
+                                 f"dtype={arena.dtype}, must be ({slots}, {page_bytes}) uint8")
+        host = HostTier(slots, page_bytes, arena)
         if self._remote is not None:
+            if not holds_bytes:
+                # spec/tiers.md §11: a shared store holds other processes' bytes; nothing to plan there.
+                raise ValueError(f"{o}: remote_url with bookkeeping-only stores (holds_bytes=False); "
+                                 "the remote tier stores bytes: plan without remote_url")
             self._remote.bind(params)
         with self._lock:
-            self._params, self._geometry, self._pages, self._page_bytes = params, geometry, pages, page_bytes
+            self._params, self._geometry, self._page_bytes = params, geometry, page_bytes
+            self._holds_bytes = holds_bytes
             self._host, self._disk = host, disk
+            self._bind(bound, sources, params, owner)
+            self._stats["files_rejected"] += meta_rejected
             if warm is not None:
                 self._stats["warm_start_indexed"] += warm.indexed
                 self._stats["temp_files_removed"] += warm.temp_removed
                 self._stats["foreign_files"] += warm.foreign
                 self._stats["files_rejected"] += warm.rejected
             self._executor = ThreadPoolExecutor(self.num_workers, thread_name_prefix="kvcache-tier")
+
+    def detach(self) -> None:
+        """Unbind the stores after every transfer has landed; the tiers keep
+        their blocks, so another owner (a new manager) may ``attach`` next.
+
+        Raises ``RuntimeError`` before ``attach`` or after ``shutdown``. A
+        load that failed is not raised here (its handle raises it).
+        """
+        o = "TieredConnector.detach"
+        self._check_attached(o)
+        while True:
+            with self._lock:
+                pending = list(self._inflight) + [f for f in self._background if not f.done()]
+                if not pending:
+                    self._stores, self._sources, self._owner_ref, self._owner_name = [], [], None, None
+                    return
+            wait_futures(pending)
+
+    def _as_store(self, o: str, i: int, x, params: KVCacheParams, page_bytes: int) -> PageStore:
+        """``x`` validated as replica ``i``'s page store (an ndarray is wrapped)."""
+        if isinstance(x, np.ndarray):
+            if x.ndim != 6 or x.shape[1:] != params.page_shape or x.shape[0] < 2:
+                raise ValueError(f"{o}: stores[{i}].shape={x.shape} != (num_blocks >= 2, *{params.page_shape})")
+            if x.dtype != params.np_dtype:
+                raise ValueError(f"{o}: stores[{i}].dtype={x.dtype} != params.dtype={params.dtype}")
+            if not x.flags.c_contiguous:
+                raise ValueError(f"{o}: stores[{i}] is not C-contiguous; a block must be one contiguous copy")
+            return HostPageStore(x)
+        if not isinstance(x, PageStore):
+            raise TypeError(f"{o}: stores[{i}] is {type(x).__name__}, must be a kvspec.PageStore or a numpy.ndarray")
+        if not isinstance(x.holds_bytes, bool):
+            raise TypeError(f"{o}: stores[{i}].holds_bytes={x.holds_bytes!r}, must be a bool")
+        check_int(o, f"stores[{i}].num_pages", x.num_pages, low=2)
+        if x.page_nbytes != page_bytes:
+            raise ValueError(f"{o}: stores[{i}].page_nbytes={x.page_nbytes} != page bytes {page_bytes} of params")
+        return x
+
+    def _same_owner(self, owner, sources) -> bool:
+        """True when ``owner`` (or, without one, ``sources``) is who is attached now (lock held)."""
+        held = self._owner_ref() if self._owner_ref is not None else None
+        if self._owner_ref is not None and held is None:
+            return True  # spec/tiers.md §2: the owner was collected; the connector is free
+        if owner is not None or held is not None:
+            return owner is not None and owner is held
+        if len(sources) != len(self._sources):
+            return False
+        return all(
+            a is b or (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape
+                       and np.shares_memory(a, b))
+            for a, b in zip(sources, self._sources)
+        )
+
+    def _bind(self, stores, sources, params, owner) -> None:
+        """Take ``stores`` as the device pages of ``owner`` (lock held)."""
+        self._stores, self._sources, self._params = stores, list(sources), params
+        self._owner_name = type(owner).__name__ if owner is not None else "stores given without owner"
+        try:
+            self._owner_ref = weakref.ref(owner) if owner is not None else None
+        except TypeError:
+            self._owner_ref = (lambda o=owner: o)  # not weakly referenceable: held until detach
 
     # ------------------------------------------------------------------ protocol
 
@@ -393,7 +523,7 @@ class TieredConnector:
         ids = self._check_block_ids(o, block_ids, len(hs), replica_idx, distinct=True)
         if not ids:
             return CompletedTransfer()
-        pages = self._pages[replica_idx]
+        store = self._stores[replica_idx]
         with self._lock:
             plan = []
             for i, (h, t) in enumerate(zip(hs, toks)):
@@ -421,7 +551,11 @@ class TieredConnector:
             self._host.touch(reversed(hs))
             if self._disk is not None:
                 self._disk.touch(reversed(hs))
-            return self._submit("load", self._run_load, pages, ids, hs, toks, plan, self._epoch)
+            if self._holds_bytes:
+                return self._submit("load", self._run_load, store, ids, hs, toks, plan, self._epoch)
+        # spec/tiers.md §11: bookkeeping only: the transfer is its accounting, done at post.
+        self._run_load(store, ids, hs, toks, plan, self._epoch)
+        return CompletedTransfer()
 
     def offload(
         self, block_ids: Sequence[int], hashes: Sequence[bytes], tokens: np.ndarray, replica_idx: int = 0
@@ -456,9 +590,14 @@ class TieredConnector:
         ids = self._check_block_ids(o, block_ids, len(hs), replica_idx, distinct=False)
         if not ids:
             return CompletedTransfer()
+        store = self._stores[replica_idx]
         with self._lock:
             self._reap()
-            return self._submit("offload", self._run_offload, self._pages[replica_idx], ids, hs, toks, self._epoch)
+            if self._holds_bytes:
+                return self._submit("offload", self._run_offload, store, ids, hs, toks, self._epoch)
+            epoch = self._epoch
+        self._run_offload(store, ids, hs, toks, epoch)  # spec/tiers.md §11: accounting at post
+        return CompletedTransfer()
 
     def touch(self, hashes: Sequence[bytes], replica_idx: int = 0) -> None:
         """Re-rank blocks served from the device: ``hashes`` is root-anchored,
@@ -490,14 +629,38 @@ class TieredConnector:
             self._reap()
 
     def reset_prefix_cache(self) -> None:
-        """Forget every stored block: host entries are dropped and the disk
-        files of this tier are deleted (files still being read or written go
-        when their copy ends). Offloads posted before the reset store nothing.
-        Foreign files and the metadata file stay."""
+        """Forget every stored block, in this process and in every later one.
+
+        The disk tier first persists a new **generation** in its metadata file
+        (every block file carries the generation it was written in, and only
+        files of the current one are served), then host entries are dropped
+        and this tier's block files deleted (files still being read or written
+        go when their copy ends; a file whose unlink fails is never served
+        again all the same). Offloads, promotions and write-back evictions
+        posted before the reset store nothing (counted in
+        ``tier_stats().stale_writes_dropped``). Foreign files and the
+        metadata file stay.
+
+        Raises
+        ------
+        RuntimeError
+            Shut down; or the new generation cannot be written (a read-only
+            directory and file): nothing is forgotten, ``tier_stats().reset_failures``
+            counts it, the message names the directory.
+        """
         o = "TieredConnector.reset_prefix_cache"
         self._check_open(o)
         with self._lock:
-            # Spec tiers §9: reset deletes this tier's block files (shutdown keeps them).
+            if self._disk is not None and self._disk.holds_bytes:
+                try:
+                    # spec/tiers.md §9: invalidation first, durable; deleting files is then an optimisation.
+                    self._disk.new_generation()
+                except OSError as err:
+                    self._stats["reset_failures"] += 1
+                    raise RuntimeError(
+                        f"{o}: disk_dir={str(self.disk_dir)!r} cannot record the reset ({err.strerror or err}); "
+                        "nothing was forgotten"
+                    ) from err
             self._epoch += 1
             if self._host is not None:
                 self._host.clear()
@@ -526,7 +689,7 @@ class TieredConnector:
         with self._lock:
             self._background.clear()
             self._executor = None
-            self._pages = []
+            self._stores, self._sources, self._owner_ref = [], [], None
             self._host = None
             self._disk = None
 
@@ -606,13 +769,13 @@ class TieredConnector:
 
     # ------------------------------------------------------------------ IO seams (tests override)
 
-    def _disk_read(self, block_hash: bytes, tokens: np.ndarray) -> tuple[memoryview, int]:
-        """Read and verify one block file on a worker (``DiskBlockError`` on a mismatch)."""
-        return self._disk.read_block(block_hash, tokens)
+    def _disk_read(self, block_hash: bytes, tokens: np.ndarray, generation: int) -> tuple[memoryview, int]:
+        """Read and verify one block file of ``generation`` on a worker (``DiskBlockError`` on a mismatch)."""
+        return self._disk.read_block(block_hash, tokens, generation)
 
-    def _disk_write(self, block_hash: bytes, tokens: np.ndarray, payload: np.ndarray) -> int:
-        """Write one block file on a worker; ``OSError`` on a full or read-only disk."""
-        return self._disk.write_block(block_hash, tokens, payload)
+    def _disk_write(self, block_hash: bytes, tokens: np.ndarray, payload: np.ndarray, generation: int) -> int:
+        """Write one block file of ``generation`` on a worker; ``OSError`` on a full or read-only disk."""
+        return self._disk.write_block(block_hash, tokens, payload, generation)
 
     # ------------------------------------------------------------------ workers
 
@@ -636,9 +799,9 @@ class TieredConnector:
             if err is not None:
                 raise RuntimeError(f"TieredConnector.poll_transfers: background work raised {err!r}") from err
 
-    def _run_load(self, pages, ids, hs, toks, plan, epoch: int) -> None:
-        host, disk, pb = self._host, self._disk, self._page_bytes
-        promote: list[tuple[bytes, np.ndarray, np.ndarray]] = []
+    def _run_load(self, store: PageStore, ids, hs, toks, plan, epoch: int) -> None:
+        host, disk, pb, holds = self._host, self._disk, self._page_bytes, self._holds_bytes
+        promote: list[tuple[bytes, np.ndarray, np.ndarray | None]] = []
         try:
             remote_at = [i for i, (tier, _) in enumerate(plan) if tier == "remote"]
             fetched = {}
@@ -651,26 +814,30 @@ class TieredConnector:
                     raise KVLoadFailed(f"TieredConnector.load: remote tier refused the load: {err}") from err
                 fetched = dict(zip(remote_at, got))
             for i, (bid, h, t, (tier, e)) in enumerate(zip(ids, hs, toks, plan)):
+                data = None
                 if tier == "host":
-                    np.copyto(pages[bid], host.arena[e.slot])
+                    if holds:
+                        store.write([bid], host.arena[e.slot : e.slot + 1])
                 elif tier == "remote":
                     data = np.frombuffer(fetched[i], dtype=np.uint8)
-                    np.copyto(pages[bid], data)
+                    store.write([bid], data[None])
                     promote.append((h, t, data))
                 else:
-                    try:
-                        payload, nread = self._disk_read(h, t)
-                    except DiskBlockError as err:
-                        with self._lock:
-                            disk.reject(e)
-                            self._stats["files_rejected"] += 1
-                            self._stats["load_failures"] += 1
-                        # Spec tiers §6: a bad file fails the load; its pages are never published.
-                        raise KVLoadFailed(
-                            f"TieredConnector.load: hashes[{i}]={h.hex()[:16]} disk copy refused: {err}"
-                        ) from err
-                    data = np.frombuffer(payload, dtype=np.uint8)
-                    np.copyto(pages[bid], data)
+                    nread = disk.file_bytes
+                    if holds:
+                        try:
+                            payload, nread = self._disk_read(h, t, e.generation)
+                        except DiskBlockError as err:
+                            with self._lock:
+                                disk.reject(e)
+                                self._stats["files_rejected"] += 1
+                                self._stats["load_failures"] += 1
+                            # spec/tiers.md §6: a bad file fails the load; its pages are never published.
+                            raise KVLoadFailed(
+                                f"TieredConnector.load: hashes[{i}]={h.hex()[:16]} disk copy refused: {err}"
+                            ) from err
+                        data = np.frombuffer(payload, dtype=np.uint8)
+                        store.write([bid], data[None])
                     with self._lock:
                         self._metrics.disk_bytes_read += nread
                     promote.append((h, t, data))
@@ -681,9 +848,12 @@ class TieredConnector:
                 for tier, e in plan:
                     if tier != "remote":
                         (host if tier == "host" else disk).unpin(e)
-                if promote and host.num_slots and self._executor is not None:
-                    # Spec tiers §9: a reset after the post forgets these blocks too
+                run_promote = bool(promote and host.num_slots and self._executor is not None)
+                if run_promote and holds:
+                    # spec/tiers.md §9: a reset after the post forgets these blocks too
                     self._background.append(self._executor.submit(self._promote, promote, epoch))
+            if run_promote and not holds:
+                self._promote(promote, epoch)
 
     def _promote(self, blocks, epoch: int) -> None:
         """Copy blocks read from disk into host slots (background)."""
@@ -691,28 +861,32 @@ class TieredConnector:
         for h, t, data in blocks:
             with self._lock:
                 if epoch != self._epoch:
+                    self._stats["stale_writes_dropped"] += 1
                     return
                 entry, evicted = host.reserve(h, t, copy_evicted=self.write_policy == "write_back")
             if entry is not None:
-                np.copyto(host.arena[entry.slot], data)
+                if data is not None:
+                    np.copyto(host.arena[entry.slot], data)
                 with self._lock:
                     host.commit(entry)
-            self._write_evicted(evicted)
+            self._write_evicted(evicted, epoch)
 
-    def _run_offload(self, pages, ids, hs, toks, epoch: int) -> None:
+    def _run_offload(self, store: PageStore, ids, hs, toks, epoch: int) -> None:
         host, disk, pb = self._host, self._disk, self._page_bytes
         write_back = self.write_policy == "write_back"
-        for bid, h, t in zip(ids, hs, toks):
-            src = pages[bid]
+        # spec/tiers.md §2: every device read goes through the store (one call for the batch).
+        srcs = store.read(ids) if self._holds_bytes else [None] * len(ids)
+        for src, h, t in zip(srcs, hs, toks):
             with self._lock:
                 if epoch != self._epoch:
-                    return  # Spec tiers §9: a reset forgets offloads posted before it
+                    self._stats["stale_writes_dropped"] += 1
+                    return  # spec/tiers.md §9: a reset forgets offloads posted before it
                 in_host = host.has_entry(h)
                 host_e, evicted = (None, []) if in_host else host.reserve(h, t, copy_evicted=write_back)
                 host_ok = in_host or host_e is not None
                 disk_e, to_disk, disk_ok = None, False, True
                 if disk is not None:
-                    # Spec tiers §3: write-through sends every block to disk; write-back only
+                    # spec/tiers.md §3: write-through sends every block to disk; write-back only
                     # what host could not take (the rest goes to disk on host eviction).
                     to_disk = not write_back or not host_ok
                     if to_disk and not disk.has_entry(h):
@@ -724,7 +898,8 @@ class TieredConnector:
                 stored_nowhere = not (host_ok or (to_disk and disk_ok)) and self._remote is None
                 dropped = host_missing or not disk_ok or stored_nowhere
             if host_e is not None:
-                np.copyto(host.arena[host_e.slot], src)
+                if src is not None:
+                    np.copyto(host.arena[host_e.slot], src)
                 with self._lock:
                     host.commit(host_e)
             if host_e is not None or disk_e is not None:
@@ -735,37 +910,45 @@ class TieredConnector:
             if dropped:
                 with self._lock:
                     self._metrics.connector_offload_blocks_dropped += 1
-            self._write_evicted(evicted)
+            self._write_evicted(evicted, epoch)
         if self._remote is not None:
             # Spec remote-tier §7: SET NX of the pinned source pages, one round trip; a failing
             # store drops them (counted by the remote tier), never raises.
-            self._remote.put_many(hs, toks, [pages[bid] for bid in ids])
+            self._remote.put_many(hs, toks, list(srcs))
         with self._lock:
             host.touch(reversed(hs))
             if disk is not None:
                 disk.touch(reversed(hs))
 
-    def _write_disk(self, entry, h: bytes, t: np.ndarray, payload: np.ndarray) -> bool:
+    def _write_disk(self, entry, h: bytes, t: np.ndarray, payload: np.ndarray | None) -> bool:
         """Write a reserved disk entry; False (reservation released, counted) on ``OSError``."""
-        try:
-            n = self._disk_write(h, t, payload)
-        except OSError:
-            # Spec tiers §6: a full or read-only disk drops the block, never raises into serving.
-            with self._lock:
-                self._disk.abort(entry)
-                self._stats["disk_write_errors"] += 1
-            return False
+        if payload is None:  # spec/tiers.md §11: bookkeeping only, the file is its accounting
+            n = self._disk.file_bytes
+        else:
+            try:
+                n = self._disk_write(h, t, payload, entry.generation)
+            except OSError:
+                # spec/tiers.md §6: a full or read-only disk drops the block, never raises into serving.
+                with self._lock:
+                    self._disk.abort(entry)
+                    self._stats["disk_write_errors"] += 1
+                return False
         with self._lock:
             self._disk.commit(entry)
             self._metrics.disk_bytes_written += n
         return True
 
-    def _write_evicted(self, evicted: list[Evicted]) -> None:
-        """Write-back: blocks pushed out of host go to disk (worker thread)."""
+    def _write_evicted(self, evicted: list[Evicted], epoch: int) -> None:
+        """Write-back: blocks pushed out of host go to disk (worker thread),
+        unless a reset happened since they were evicted (spec/tiers.md §9)."""
         for v in evicted:
-            if v.data is None or self._disk is None:
+            if not v.wanted or self._disk is None:
                 continue
             with self._lock:
+                if epoch != self._epoch:
+                    # spec/tiers.md §9: the block was forgotten by a reset; writing it would revive it.
+                    self._stats["stale_writes_dropped"] += 1
+                    continue
                 if self._disk.has_entry(v.block_hash):
                     continue
                 entry = self._disk.reserve(v.block_hash, v.tokens)
@@ -784,13 +967,13 @@ class TieredConnector:
 
     def _check_attached(self, o: str) -> None:
         self._check_open(o)
-        if self._params is None:
-            raise RuntimeError(f"{o}: call attach(buffers, params) first")
+        if self._params is None or not self._stores:
+            raise RuntimeError(f"{o}: call attach(stores, params) first")
 
     def _check_replica(self, o: str, replica_idx) -> None:
         r = check_int(o, "replica_idx", replica_idx)
-        if not 0 <= r < len(self._pages):
-            raise IndexError(f"{o}: replica_idx={r} out of range [0, {len(self._pages)})")
+        if not 0 <= r < len(self._stores):
+            raise IndexError(f"{o}: replica_idx={r} out of range [0, {len(self._stores)})")
 
     def _check_hashes(self, o: str, hashes) -> list[bytes]:
         if isinstance(hashes, (bytes, bytearray, str)) or not hasattr(hashes, "__len__"):
@@ -826,7 +1009,7 @@ class TieredConnector:
             raise TypeError(f"{o}: block_ids={block_ids!r:.60}, must be a sequence of ints")
         if len(block_ids) != n:
             raise ValueError(f"{o}: len(block_ids)={len(block_ids)} != len(hashes)={n}")
-        num_blocks = self._pages[replica_idx].shape[0]
+        num_blocks = self._stores[replica_idx].num_pages
         ids = []
         for i, b in enumerate(block_ids):
             b = check_int(o, f"block_ids[{i}]", b)

@@ -228,7 +228,8 @@ def test_valid_checksum_but_other_tokens_is_refused(tmp_path, params):
     path = tmp_path / "kv" / hs[0].hex()[:2] / f"{hs[0].hex()}.kvb"
     geo = geometry_digest(geometry_of("float16", params.page_shape))
     payload = pattern(hs[0], params.page_bytes())
-    forged = encode_block("sha256", geo, hs[0], toks[0] + 1, memoryview(payload)) + payload.tobytes()
+    gen = json.loads((tmp_path / "kv" / METADATA_NAME).read_text())["generation"]
+    forged = encode_block("sha256", geo, hs[0], toks[0] + 1, memoryview(payload), gen) + payload.tobytes()
     path.write_bytes(forged)
     with pytest.raises(KVLoadFailed, match="token ids differ"):
         conn.load([5], hs, toks).synchronize()
@@ -345,12 +346,17 @@ def test_tiny_disk_budget_drops_offloads(tmp_path, params):
     conn.shutdown()
 
 
+def _block_in_the_way(tmp_path, h: bytes) -> None:
+    """A non-empty directory under the block's final name: no write can land there."""
+    (tmp_path / "kv" / h.hex()[:2] / f"{h.hex()}.kvb" / "in-the-way").mkdir(parents=True)
+
+
 def test_unwritable_disk_drops_offloads_without_raising(tmp_path, params):
-    """The block's subdirectory is a regular file: every write raises OSError
-    (root ignores permissions, so no chmod)."""
+    """The block's final path is a non-empty directory (it cannot be replaced
+    or removed): every write raises OSError (root ignores permissions, so no chmod)."""
     conn, buf = connector(tmp_path, params, host_blocks=2)
     hs, toks = chain(1)
-    (tmp_path / "kv" / hs[0].hex()[:2]).write_text("in the way")
+    _block_in_the_way(tmp_path, hs[0])
     put(buf, [1], hs)
     t = conn.offload([1], hs, toks)
     t.synchronize()
@@ -395,7 +401,7 @@ def test_disk_dir_below_a_file_cannot_be_opened(tmp_path, params):
 def test_write_back_eviction_to_a_failing_disk_is_dropped_and_counted(tmp_path, params):
     conn, buf = connector(tmp_path, params, host_blocks=1, write_policy="write_back")
     hs, toks = chain(2)
-    (tmp_path / "kv" / hs[0].hex()[:2]).write_text("in the way")  # h0's file cannot be written
+    _block_in_the_way(tmp_path, hs[0])  # h0's file cannot be written
     put(buf, [1, 2], hs)
     conn.offload([1], hs[:1], toks[:1]).synchronize()
     conn.offload([2], hs[1:], toks[1:]).synchronize()  # evicts h0 from host; its write-back fails
@@ -456,10 +462,10 @@ class SlowDiskConnector(TieredConnector):
         self.gate = threading.Event()
         self.reading = threading.Event()
 
-    def _disk_read(self, block_hash, tokens):
+    def _disk_read(self, block_hash, tokens, generation):
         self.reading.set()
         assert self.gate.wait(30), "test gate never opened"
-        return super()._disk_read(block_hash, tokens)
+        return super()._disk_read(block_hash, tokens, generation)
 
 
 def test_is_complete_never_blocks_on_a_slow_disk(tmp_path, params):
@@ -509,10 +515,10 @@ _WRITER = textwrap.dedent(
         dt._write_all = half_then_die
     if mode == "exit_before_rename":
         real_replace = os.replace
-        def die(src, dst):
+        def die(src, dst, **kw):
             if str(src).endswith(".tmp") and str(dst).endswith(".kvb"):
                 os._exit(9)
-            real_replace(src, dst)
+            real_replace(src, dst, **kw)
         os.replace = die
     c = kvref.TieredConnector(host_bytes=0, disk_bytes=10**8, disk_dir=root, num_workers=2)
     c.attach([buf], p)

@@ -73,7 +73,7 @@ def unused_url() -> str:
 
 
 def test_constructor_errors():
-    with pytest.raises(TypeError, match=r"RemoteTier: url=5, must be a str"):
+    with pytest.raises(TypeError, match=r"RemoteTier: url type=int, must be a str"):
         RemoteTier(5)
     with pytest.raises(ValueError, match=r"scheme='http', must be 'redis' or 'redis\+cluster'"):
         RemoteTier("http://127.0.0.1:6379")
@@ -81,7 +81,7 @@ def test_constructor_errors():
         RemoteTier("redis:///0")
     with pytest.raises(ValueError, match=r"port"):
         RemoteTier("redis://127.0.0.1:99999/0")
-    with pytest.raises(ValueError, match=r"db='x', must be a non-negative integer"):
+    with pytest.raises(ValueError, match=r"db='x', must be an integer in \[0, 99999\]"):
         RemoteTier("redis://127.0.0.1:6379/x")
     with pytest.raises(ValueError, match=r"db=2, must be 0 for redis\+cluster"):
         RemoteTier("redis+cluster://127.0.0.1:7000/2")
@@ -372,7 +372,8 @@ def test_value_layout_matches_spec_table(redis_server):
     assert value[28 : 28 + d] == hashes[0]
     assert value[28 + d : 28 + d + 4 * p] == rows[0].astype("<i4").tobytes()
     head = 28 + d + 4 * p
-    assert value[head : head + 16] == xxhash.xxh3_128(value[:head] + payload).digest()
+    key = t.key_for(hashes[0]).encode()
+    assert value[head : head + 16] == xxhash.xxh3_128(key + value[:head] + payload).digest()
     assert value[head + 16 :] == payload
 
 
@@ -526,7 +527,7 @@ def _poke(field: str, byte: int = 0x01):
         (lambda v: v + b"\0", r"value length=\d+ but header says \d+ \(truncated or padded\)"),
         (lambda v: b"", r"value length=0 < fixed header"),
         (lambda v: b"hello world, not a block" * 4, r"magic=b'hell' but expected b'KVRT'"),
-        (_poke("version"), r"format version=0 but expected 1"),
+        (_poke("version", 0x04), r"format version=6 but expected 2"),
         (_poke("page_size"), r"tokens per block=5 but expected 4"),
         (_poke("length"), r"payload length=\d+ but expected page_bytes"),
         (_poke("block_hash"), r"stored block hash=\w+… differs"),

@@ -106,15 +106,15 @@ def test_attach_validation(params):
     buf = make_buffer(params)
     with pytest.raises(TypeError, match="params="):
         conn.attach([buf], object())
-    with pytest.raises(ValueError, match=r"len\(buffers\)=2 != data_parallel_degree=1"):
+    with pytest.raises(ValueError, match=r"len\(stores\)=2 != data_parallel_degree=1"):
         conn.attach([buf, buf], params)
-    with pytest.raises(ValueError, match=r"buffers\[0\].shape"):
+    with pytest.raises(ValueError, match=r"stores\[0\].shape"):
         conn.attach([np.zeros((4, 2, 2, PS, 2, 8), np.float16)], params)
-    with pytest.raises(ValueError, match=r"buffers\[0\].dtype=float32 != params.dtype=float16"):
+    with pytest.raises(ValueError, match=r"stores\[0\].dtype=float32 != params.dtype=float16"):
         conn.attach([buf.astype(np.float32)], params)
     with pytest.raises(ValueError, match="not C-contiguous"):
         conn.attach([np.asfortranarray(buf)], params)
-    with pytest.raises(TypeError, match=r"buffers\[0\] is list"):
+    with pytest.raises(TypeError, match=r"stores\[0\] is list"):
         conn.attach([buf.tolist()], params)
     # nothing was attached by the failures
     assert conn.host_byte_count() == kvref.ByteCount(0, 0)
@@ -144,14 +144,68 @@ def test_reattach_same_geometry_keeps_tiers_other_geometry_refused(attached, par
     hs, toks = chain(2)
     fill(buf, [1, 2], 1)
     conn.offload([1, 2], hs, toks).synchronize()
+    conn.attach([buf], params)  # the same owner's pages: accepted, tiers kept
+    conn.detach()
     buf2 = make_buffer(params, num_blocks=8)
-    conn.attach([buf2], params)
+    conn.attach([buf2], params)  # after detach another owner may attach
     conn.load([5, 6], hs, toks).synchronize()
     assert page_bytes(buf2, [5, 6]) == page_bytes(buf, [1, 2])
+    conn.detach()
     with pytest.raises(ValueError, match="re-attach with geometry"):
         conn.attach([make_buffer(make_params(head_dim=8))], make_params(head_dim=8))
     with pytest.raises(ValueError, match="hash_algo='xxh3_128'"):
         conn.attach([buf2], make_params(hash_algo="xxh3_128"))
+    with pytest.raises(ValueError, match="model_id"):
+        conn.attach([buf2], make_params(model_id="other"))
+
+
+def test_second_live_owner_is_refused_until_detach(params):
+    """Issue 11 (2): a connector handed to a second live manager must not re-bind."""
+    conn = TieredConnector(host_bytes=4 * params.page_bytes())
+    first, second = object.__new__(type("Mgr", (), {})), object.__new__(type("Mgr", (), {}))
+    buf1, buf2 = make_buffer(params), make_buffer(params)
+    conn.attach([buf1], params, owner=first)
+    hs, toks = chain(2)
+    fill(buf1, [1, 2], 3)
+    conn.offload([1, 2], hs, toks).synchronize()
+    before = state_of(conn)
+    with pytest.raises(RuntimeError, match="another live owner"):
+        conn.attach([buf2], params, owner=second)
+    with pytest.raises(RuntimeError, match="another live owner"):
+        conn.attach([buf1], params)  # no owner given while an owner holds it
+    assert state_of(conn) == before
+    conn.attach([buf1], params, owner=first)  # the same owner re-attaches
+    # the connector still reads the first owner's pages
+    fill(buf2, [3], 9)
+    conn.offload([3], *chain(1, start=100)).synchronize()
+    assert conn.held_in(chain(1, start=100)[0][0]) == {"host"}
+    conn.detach()
+    conn.attach([buf2], params, owner=second)
+    conn.load([7, 8], hs, toks).synchronize()
+    assert page_bytes(buf2, [7, 8]) == page_bytes(buf1, [1, 2])
+    conn.shutdown()
+
+
+def test_collected_owner_frees_the_connector(params):
+    import gc
+
+    conn = TieredConnector(host_bytes=4 * params.page_bytes())
+    Owner = type("Owner", (), {})
+    first = Owner()
+    conn.attach([make_buffer(params)], params, owner=first)
+    del first
+    gc.collect()
+    conn.attach([make_buffer(params)], params, owner=Owner())
+    conn.shutdown()
+
+
+def test_second_manager_cannot_take_a_live_managers_connector(params):
+    """Through the manager API: the second manager's construction raises, the first keeps working."""
+    conn = TieredConnector(host_bytes=8 * params.page_bytes())
+    m1 = kvref.PagedKVCacheManager(params, num_blocks=16, max_batch_size=2, max_seq_len=64, connector=conn)
+    with pytest.raises(RuntimeError, match="another live owner"):
+        kvref.PagedKVCacheManager(params, num_blocks=16, max_batch_size=2, max_seq_len=64, connector=conn)
+    m1.shutdown()
 
 
 # --------------------------------------------------------------------------- argument validation

@@ -24,7 +24,7 @@ from ._manager_types import (
     PrefixCacheHits,
     TextContext,
 )
-from ._page_store import HostPageStore, PageStore
+from ._page_store import BookkeepingPageStore, HostPageStore, PageStore
 from ._step import StepIndices
 from .errors import CapacityError, InsufficientBlocksError, KVLoadFailed, KVLoadRefused
 from .hashing import BlockHash, block_hash, block_hashes, root_hash
@@ -38,5 +38,5 @@ __all__ = [
     "KVCacheInputs", "KVCacheInputsPerDevice", "KVConnector", "NullConnector",
     "CapacityError", "InsufficientBlocksError", "KVLoadRefused", "KVLoadFailed",
     "BlockHash", "block_hash", "block_hashes", "root_hash", "KV_DTYPES", "STATE_DTYPES",
-    "DEFAULT_LEAF_ID", "PageStore", "HostPageStore",
+    "DEFAULT_LEAF_ID", "PageStore", "HostPageStore", "BookkeepingPageStore",
 ]

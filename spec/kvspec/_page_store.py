@@ -15,7 +15,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-__all__ = ["PageStore", "HostPageStore"]
+__all__ = ["PageStore", "HostPageStore", "BookkeepingPageStore"]
 
 
 @runtime_checkable
@@ -91,3 +91,46 @@ class HostPageStore:
 
     def __repr__(self) -> str:
         return f"HostPageStore(num_pages={self.num_pages}, page_nbytes={self.page_nbytes})"
+
+
+class BookkeepingPageStore:
+    """A ``PageStore`` that holds no bytes (bookkeeping-only mode, spec/tiers.md §11).
+
+    The tiers attached to it run their whole policy (indexes, LRU, byte
+    capacities, hits, transfers as accounting) without allocating an arena,
+    writing a file or storing a value remotely; ``read``, ``write`` and
+    ``alloc_host`` raise ``RuntimeError``.
+
+    Parameters
+    ----------
+    num_pages : int
+        Pages of the replica's pool, the null page 0 included (>= 1).
+    page_nbytes : int
+        Bytes one page would hold (>= 1).
+    """
+
+    holds_bytes = False
+
+    def __init__(self, num_pages: int, page_nbytes: int):
+        for name, v in (("num_pages", num_pages), ("page_nbytes", page_nbytes)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"BookkeepingPageStore: {name}={v!r}, must be an int")
+            if not 1 <= int(v) <= 2**62:
+                raise ValueError(f"BookkeepingPageStore: {name}={v} out of range [1, 2**62]")
+        self.num_pages = int(num_pages)
+        self.page_nbytes = int(page_nbytes)
+
+    def _no_bytes(self, op: str):
+        raise RuntimeError(f"BookkeepingPageStore.{op}: bookkeeping-only mode holds no page bytes")
+
+    def read(self, block_ids: Sequence[int]) -> np.ndarray:
+        self._no_bytes("read")
+
+    def write(self, block_ids: Sequence[int], data: np.ndarray) -> None:
+        self._no_bytes("write")
+
+    def alloc_host(self, num_pages: int) -> np.ndarray:
+        self._no_bytes("alloc_host")
+
+    def __repr__(self) -> str:
+        return f"BookkeepingPageStore(num_pages={self.num_pages}, page_nbytes={self.page_nbytes})"
