@@ -80,7 +80,7 @@ def _ping(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
             s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
+            return s.recv(16).startswith((b"+PONG", b"-NOAUTH"))  # up, with or without a password
     except OSError:
         return False
 
@@ -88,10 +88,11 @@ def _ping(port: int) -> bool:
 class _Server:
     """One ``redis-server`` process on ``port`` with its working directory ``dir``."""
 
-    def __init__(self, port: int, workdir: Path, extra: list[str]):
+    def __init__(self, port: int, workdir: Path, extra: list[str], bind: str = "127.0.0.1"):
         self.port = port
         self.dir = workdir
         self.extra = extra
+        self.bind = bind
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -99,7 +100,7 @@ class _Server:
         args = [
             REDIS_SERVER,
             "--port", str(self.port),
-            "--bind", "127.0.0.1",
+            "--bind", *self.bind.split(),
             "--save", "",
             "--appendonly", "no",
             "--dir", str(self.dir),
@@ -136,10 +137,12 @@ class RedisNode:
 
     kind = "single"
 
-    def __init__(self, workdir: Path, port: int | None = None):
+    def __init__(self, workdir: Path, port: int | None = None, *, bind: str = "127.0.0.1",
+                 password: str | None = None):
+        extra = ["--requirepass", password] if password is not None else []
         for attempt in range(1 if port is not None else _ATTEMPTS):
             p = port if port is not None else _free_ports(1)[0]
-            self._server = _Server(p, Path(workdir) / f"node-{p}", [])
+            self._server = _Server(p, Path(workdir) / f"node-{p}", extra, bind)
             try:
                 self._server.start()
                 break
