@@ -358,11 +358,16 @@ class BlockPool:
         return block
 
     def publish_run(self, blocks: list[int], hashes: list[bytes], data) -> list[int]:
-        """:meth:`publish_bytes` for each ``blocks[j]`` under ``hashes[j]`` with
-        tokens ``data[j*s:(j+1)*s]`` (``s = len(data) // len(blocks)``), in order.
+        """:meth:`publish_tokens` for each ``blocks[j]`` under ``hashes[j]`` with
+        tokens ``data[j*s:(j+1)*s]`` (``s = len(data) // len(blocks)``), in order,
+        as one chain: it stops at the first **collision** (a hash held by other
+        tokens; that block and every later one stay unpublished, so no page joins
+        the index under a parent that is not there, spec/manager.md §5.1).
         ``data`` is int32 little-endian bytes or an int32 array ``[n_tokens]``.
 
-        Returns the canonical block of each (itself, or an existing twin).
+        Returns the canonical block of each block before the stop (itself, or an
+        existing twin): ``len(result) < len(blocks)`` means block
+        ``len(result)`` collided.
         """
         n = len(blocks)
         if n == 0:
@@ -389,7 +394,12 @@ class BlockPool:
         out = []
         for j in range(n):
             b = blocks[j]
-            out.append(b if bh[b] is not None else self._publish(b, hashes[j], toks[j]))
+            if bh[b] is None:
+                c = self._publish(b, hashes[j], toks[j])
+                if c == b and bh[b] is None:
+                    break  # a collision: the chain stops here
+                b = c
+            out.append(b)
         return out
 
     def lookup_run(self, hashes: list[bytes], token_bytes) -> list[int]:

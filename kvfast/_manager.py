@@ -52,8 +52,13 @@ _DONE = CompletedTransfer()
 #: Token ids are stored as native int32: on a little-endian machine their bytes are the hash input.
 _NATIVE_LE = sys.byteorder == "little"
 
-#: The unpatched hash-input function (the conformance collision test swaps it).
-_TOKENS_TO_BYTES = hashing.tokens_to_bytes
+def _hash_input_is_native() -> bool:
+    """Whether ``kvspec.hashing.tokens_to_bytes`` is the real one (the conformance collision
+    hook swaps it, possibly before this module is first imported: compare by name, never by
+    a reference captured at import)."""
+    f = hashing.tokens_to_bytes
+    return _NATIVE_LE and getattr(f, "__module__", None) == "kvspec.hashing" and \
+        getattr(f, "__qualname__", None) == "tokens_to_bytes"
 
 
 def _sha256_digest(data: bytes) -> bytes:
@@ -111,6 +116,7 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
             if isinstance(num_blocks, int):
                 check_int(o, "num_blocks", num_blocks, low=2)
             require_cuda(o, dev)
+        self._cuda_dev = dev if kind == "cuda" else None  # read by _page_stores during the reference's __init__
         super().__init__(params, num_blocks=num_blocks, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                          device="cpu", connector=connector)
         self._device = device
@@ -127,11 +133,28 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
             import xxhash
 
             self._hash1 = xxhash.xxh3_128_digest
-        if kind == "cuda":  # pragma: no cover - needs a GPU
-            import cupy as cp
 
-            with cp.cuda.Device(dev):
-                self._buffers = [{lid: cp.asarray(b) for lid, b in bufs.items()} for bufs in self._buffers]
+    def _page_stores(self) -> list:
+        """On CUDA: the buffers move to the device *before* the connector is attached, and a
+        ``TieredConnector`` gets a ``CudaPageStore`` per replica (stage.cu + pinned host memory,
+        pinned host arena), so the tiers read and write the device pages (they stored zeros when
+        attached to the host copies the device buffers were made from)."""
+        if self._cuda_dev is None:
+            return super()._page_stores()
+        from ._cuda._module import cupy
+        from ._cuda.page_store import CudaPageStore
+
+        cp = cupy()
+        with cp.cuda.Device(self._cuda_dev):
+            # CuPy has no bfloat16: such buffers live on the device as their uint16 bit patterns.
+            self._buffers = [{lid: cp.asarray(b.view(np.uint16) if b.dtype.name == "bfloat16" else b)
+                              for lid, b in bufs.items()} for bufs in self._buffers]
+            buffers = [self._buffers[r][self._conn_leaf] for r in range(self._dp)]
+        import kvref
+
+        if isinstance(self._connector, kvref.TieredConnector):
+            return [CudaPageStore(b) for b in buffers]
+        return buffers  # another KVConnector: the device buffers, as its protocol states
 
     # ------------------------------------------------------------------ hashing
 
@@ -146,7 +169,7 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
         parent = have[-1] if have else self._root(ctx.cache_salt)
         toks = ctx._tokens[k * page : n * page]
         algo = self._params.hash_algo
-        if algo == "sha256" and _sha.AVAILABLE and _NATIVE_LE and hashing.tokens_to_bytes is _TOKENS_TO_BYTES:
+        if algo == "sha256" and _sha.AVAILABLE and _hash_input_is_native():
             # The native int32 tokens are the hash input's bytes: the kernel reads them in place.
             return list(have) + _sha.chain_sha256(parent, toks, self._page_bytes, n - k)
         data = hashing.tokens_to_bytes(toks)  # Spec §6: the hash input goes through the patchable function
@@ -206,11 +229,12 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
         if not self._fast or self._loads or self._offloads:
             return super().alloc(ctx, defer_lookup=defer_lookup)
         op = "alloc"
+        # spec/manager.md §4.1: every argument is checked before the stored context may be replaced.
+        if not isinstance(defer_lookup, bool):
+            raise TypeError(f"alloc: defer_lookup={defer_lookup!r}, must be a bool")
         req = self._requests.get(ctx.request_id) if type(ctx) is TextContext else None
         if req is None or req.ctx is not ctx:
             req = self._req(op, ctx)  # raises, or adopts a replacement context (Spec §2.3)
-        if not isinstance(defer_lookup, bool):
-            raise TypeError(f"alloc: defer_lookup={defer_lookup!r}, must be a bool")
         if ctx._length > self._max_seq_len:
             self._check_len(op, ctx)  # raises ValueError
         if req.dummy:
@@ -302,23 +326,25 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
         if end <= lo:
             return  # nothing new filled: nothing to publish
         pool = self._pools[0][self._conn_leaf]
+        if lo and pool.block_hash[row[lo - 1]] != hashes[lo - 1]:
+            return  # spec/manager.md §5.1: the parent lost a collision; the chain is not published
         mine = row[lo:end]
         canon = pool.publish_run(mine, hashes[lo:end], ctx._tokens[lo * page : end * page])
-        if canon != mine:  # one list compare: the loop runs only when a twin exists
-            for i in range(lo, end):
+        if canon != mine:  # one list compare: the loop runs only when a twin or a collision exists
+            for i in range(lo, lo + len(canon)):
                 c, b = canon[i - lo], row[i]
-                if c != b:  # Spec §5.2: twin dedup, keep the published copy
+                if c != b:  # spec/manager.md §5.1: twin dedup (same chain), keep the published copy
                     pool.touch(c)
                     row[i] = c
                     pool.free([b])
-        req.committed = end
+        req.committed = lo + len(canon)
 
     def _fill_one(self, req, ctx: TextContext, row: list[int], i: int) -> None:
         """Hash and publish row block ``i`` (a decode step just filled it; blocks before are committed)."""
         page = self._page
         toks = ctx._tokens[i * page : (i + 1) * page]  # native int32: the verified tokens
         # Spec §6: the hash input goes through kvspec.hashing.tokens_to_bytes (patchable in tests).
-        if _NATIVE_LE and hashing.tokens_to_bytes is _TOKENS_TO_BYTES:
+        if _hash_input_is_native():
             hin = toks.tobytes()
         else:
             hin = hashing.tokens_to_bytes(toks)
@@ -326,13 +352,17 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
         parent = hashes[-1] if hashes else self._root(ctx.cache_salt)
         h = self._hash1(parent + hin)
         pool = self._pools[0][self._conn_leaf]
+        hashes.append(h)  # req.hashes is the request's own list (never shared)
+        if i and pool.block_hash[row[i - 1]] != hashes[i - 1]:
+            return  # spec/manager.md §5.1: the parent lost a collision; the chain is not published
         b = row[i]
         c = pool.publish_tokens(b, h, toks)
-        if c != b:  # Spec §5.2: twin dedup, keep the published copy
+        if c != b:  # spec/manager.md §5.1: twin dedup (same chain), keep the published copy
             pool.touch(c)
             row[i] = c
             pool.free([b])
-        hashes.append(h)  # req.hashes is the request's own list (never shared)
+        elif pool.block_hash[b] != h:
+            return  # a collision: the chain stops here
         req.committed = i + 1
 
     def release(self, ctx: TextContext | str) -> None:
@@ -369,6 +399,7 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
         the reference's order, then one scatter per replica into a zeroed table."""
         page = self._page
         lid = self._leaves[0].leaf_id
+        self._check_open(op)
         if not isinstance(batches, (list, tuple)):
             raise TypeError(f"{op}: batches={type(batches).__name__}, must be a list of lists of TextContext")
         for r, batch in enumerate(batches):
@@ -415,7 +446,8 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
                 if n > need:
                     need = n
             rows_per_batch.append((rows, widths))
-        cols = _ref.lut_columns(op, need, page, max_cache_length, batches, self._max_batch_size)  # (4), (5)
+        cols = _ref.lut_columns(op, need, page, max_cache_length, batches, self._max_batch_size,
+                                self._max_seq_len)  # (4), (5)
 
         self._post_offloads()  # Spec §9.2: queued offloads are posted before the forward
         out = []
@@ -438,6 +470,12 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
                                   else max((c.current_position for c in batch), default=0)),
             ))
         return out
+
+    def shutdown(self) -> None:
+        """Post queued offloads, wait for every transfer, close the connector (same contract as the
+        reference); the fast lanes close with the manager (spec/manager.md §9.7)."""
+        self._fast = False
+        super().shutdown()
 
     def _inputs_to_device(self, inputs):  # pragma: no cover - needs a GPU
         import dataclasses

@@ -11,7 +11,7 @@ is the hash chain.
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -43,6 +43,13 @@ __all__ = ["PagedKVCacheManager"]
 
 #: Lookup-table columns are rounded up to a multiple of this (Spec §8).
 LUT_ALIGN = 8
+
+#: Largest value of a size or length argument: block ids, positions and cache
+#: lengths are 32-bit in every tensor the manager hands out (spec/manager.md §1.1).
+MAX_INT_ARG = 2**31 - 1
+
+#: Salted roots kept per manager, least recently used dropped first (spec/manager.md §3.1).
+ROOT_CACHE_SIZE = 64
 
 
 # --------------------------------------------------------------------------- records
@@ -105,17 +112,21 @@ class _Request:
 
 
 
-def lut_columns(op: str, need: int, page: int, max_cache_length, batches, max_batch_size: int) -> int:
+def lut_columns(op: str, need: int, page: int, max_cache_length, batches, max_batch_size: int,
+                max_seq_len: int) -> int:
     """Checks (4) and (5) of ``runtime_inputs`` (spec/manager.md §8), then the lookup-table width.
 
     ``need`` is the most blocks a context of the batch requires; returns it, or
     ``ceil(max_cache_length / page)`` when given, rounded up to a multiple of
-    ``LUT_ALIGN`` (at least ``LUT_ALIGN``). Raises ``ValueError``.
+    ``LUT_ALIGN`` (at least ``LUT_ALIGN``). Raises ``ValueError`` (before any
+    arithmetic on ``max_cache_length``: it is bounded by ``max_seq_len``).
     """
     # (4)
     if max_cache_length is not None:
         if max_cache_length < 1:
             raise ValueError(f"{op}: max_cache_length={max_cache_length}, must be >= 1")
+        if max_cache_length > max_seq_len:
+            raise ValueError(f"{op}: max_cache_length={max_cache_length} > max_seq_len={max_seq_len}")
         cols_from = math.ceil(max_cache_length / page)
         if cols_from < need:
             raise ValueError(f"{op}: max_cache_length={max_cache_length} gives {cols_from} blocks < {need} "
@@ -190,9 +201,10 @@ class PagedKVCacheManager:
         o = "PagedKVCacheManager"
         if not isinstance(params, KVCacheParams):
             raise TypeError(f"{o}: params={params!r}, must be a KVCacheParams")
-        num_blocks = check_int(o, "num_blocks", num_blocks, low=2)
-        max_batch_size = check_int(o, "max_batch_size", max_batch_size, low=1)
-        max_seq_len = check_int(o, "max_seq_len", max_seq_len, low=1)
+        # spec/manager.md §1.1: every size is bounded before any arithmetic or allocation.
+        num_blocks = check_int(o, "num_blocks", num_blocks, low=2, high=MAX_INT_ARG)
+        max_batch_size = check_int(o, "max_batch_size", max_batch_size, low=1, high=MAX_INT_ARG)
+        max_seq_len = check_int(o, "max_seq_len", max_seq_len, low=1, high=MAX_INT_ARG)
         kind, _ = parse_device(o, device)
         if kind != "cpu":
             raise ValueError(f"{o}: device={device!r}, kvref stores NumPy arrays and supports only 'cpu'")
@@ -213,10 +225,13 @@ class PagedKVCacheManager:
         self._leaves = leaves
         self._leaf = {leaf.leaf_id: leaf for leaf in leaves}
         self._paged_leaves = [leaf for leaf in leaves if not leaf.is_recurrent]
-        self._salted_roots: dict[bytes, bytes] = {}
+        self._salted_roots: OrderedDict[bytes, bytes] = OrderedDict()  # bounded LRU (spec §3.1)
+        self._closed = False  # set by shutdown (spec/manager.md §9.7)
         # Spec §9.1: tiers and cross-replica copies serve single full-leaf managers.
         self._simple = len(leaves) == 1 and leaves[0].kind is LeafKind.FULL
         self._conn_leaf = self._paged_leaves[0].leaf_id
+        # The leaf whose rows carry the chain for twin dedup (spec §5.1): a full leaf if any.
+        self._anchor = next((leaf for leaf in self._paged_leaves if leaf.kind is LeafKind.FULL), self._paged_leaves[0])
 
         self._pools: list[dict[str, BlockPool]] = []
         self._buffers: list[dict[str, np.ndarray]] = []
@@ -250,7 +265,12 @@ class PagedKVCacheManager:
         self._connector = connector
         # Spec §9.1: the null connector is never called on the hot path.
         self._uses_connector = self._simple and self._caching and not isinstance(connector, NullConnector)
-        connector.attach([self._buffers[r][self._conn_leaf] for r in range(self._dp)], params)
+        connector.attach(self._page_stores(), params)
+
+    def _page_stores(self) -> list:
+        """What the connector reads and writes device pages through, one per replica
+        (spec/tiers.md §2): the host buffers here; a GPU engine returns its page stores."""
+        return [self._buffers[r][self._conn_leaf] for r in range(self._dp)]
 
     # ================================================================== properties
 
@@ -318,12 +338,23 @@ class PagedKVCacheManager:
     # ================================================================== hashing
 
     def _root(self, salt) -> bytes:
+        """The chain root of ``salt``; at most ``ROOT_CACHE_SIZE`` roots are kept (LRU)."""
         key = hashing.salt_bytes(salt)
-        root = self._salted_roots.get(key)
+        cache = self._salted_roots
+        root = cache.get(key)
         if root is None:
             root = hashing.root_hash(self._params.hash_seed, salt)
-            self._salted_roots[key] = root
+            cache[key] = root
+            if len(cache) > ROOT_CACHE_SIZE:
+                cache.popitem(last=False)
+        else:
+            cache.move_to_end(key)
         return root
+
+    def _check_open(self, op: str) -> None:
+        """spec/manager.md §9.7: after ``shutdown`` every mutating call raises, state unchanged."""
+        if self._closed:
+            raise RuntimeError(f"{op}: the manager is shut down")
 
     def _block_tokens(self, tokens: np.ndarray, i: int) -> np.ndarray:
         return tokens[i * self._page : (i + 1) * self._page]
@@ -402,6 +433,7 @@ class PagedKVCacheManager:
             State is unchanged.
         """
         op = "claim"
+        self._check_open(op)
         self._ctx(op, ctx)
         r = self._replica(op, replica_idx)
         old = self._requests.get(ctx.request_id)
@@ -442,6 +474,7 @@ class PagedKVCacheManager:
         ValueError
             Not claimed (also on a second release). State is unchanged.
         """
+        self._check_open("release")  # spec §9.7: validated before the request is forgotten
         req = self._req("release", ctx, allow_id=True)
         r = req.replica
         del self._requests[req.ctx.request_id]
@@ -490,9 +523,11 @@ class PagedKVCacheManager:
             is rolled back; ctx, counts and metrics are as before.
         """
         op = "alloc"
-        req = self._req(op, ctx)
+        self._check_open(op)
+        # spec/manager.md §4.1: every argument is checked before the stored context may be replaced.
         if not isinstance(defer_lookup, bool):
             raise TypeError(f"alloc: defer_lookup={defer_lookup!r}, must be a bool")
+        req = self._req(op, ctx)
         self._check_len(op, ctx)
         if req.dummy:
             return self._size_dummy(req)
@@ -518,14 +553,17 @@ class PagedKVCacheManager:
             touch_hashes = self._splice_device_hit(req, ctx, copies)
         self._grow(req, ctx, copies)
         self._run_copies(req, copies)
-        if touch_hashes and self._uses_connector:
-            self._connector.touch(touch_hashes, req.replica)
         transfer: KVTransfer = CompletedTransfer()
+        device_hit = req.committed
         if self._external_stage_due(req, ctx):
             if defer_lookup and req.lookup is None:
                 req.lookup_pending = True  # Spec §9.4: awaits start_lookup and the next alloc
             else:
                 transfer = self._load_external(req, ctx)
+        if self._uses_connector and device_hit and (touch_hashes or req.committed > device_hit):
+            # spec/manager.md §4.8, spec/tiers.md §3: the device hit is re-ranked after the load
+            # ranked the loaded blocks, so the chain's head ends most recent in the tiers.
+            self._connector.touch(req.hashes[:device_hit], req.replica)
         if req.load is not None and req.load.state == "pending":
             transfer = req.load.handle  # Spec §4: a repeated alloc returns the load still in flight
         # Spec §4.9: input_tokens counts each forward's active tokens once.
@@ -662,6 +700,7 @@ class PagedKVCacheManager:
             As ``claim``. State is unchanged.
         """
         op = "alloc_dummy"
+        self._check_open(op)
         self._ctx(op, ctx)
         r = self._replica(op, replica_idx)
         old = self._requests.get(ctx.request_id)
@@ -742,12 +781,17 @@ class PagedKVCacheManager:
         """Publish a landed load's pages; swap a live request to an existing twin."""
         pool = self._pools[load.replica][self._conn_leaf]
         req = self._requests.get(load.request_id) if load.request_id is not None else None
+        row = req.rows[self._conn_leaf] if req is not None else None
         for j, b in enumerate(load.pages):
-            canon = pool.publish(b, load.hashes[j], load.tokens[j])
-            if canon != b and req is not None and req.rows[self._conn_leaf][load.start + j] == b:
-                pool.touch(canon)
-                req.rows[self._conn_leaf][load.start + j] = canon
-                pool.free([b])
+            h = load.hashes[j]
+            if row is not None and row[load.start + j] == b:
+                kept = row[load.start + j] = self._publish_or_twin(pool, b, h, load.tokens[j])
+            else:
+                kept = pool.publish(b, h, load.tokens[j])
+            # spec/manager.md §5.1: the next page joins the index only under a published parent
+            # (the device hit's last page, then the load's pages): the chain stops at a collision.
+            if pool.block_hash[kept] != h:
+                break
 
     def _unpin(self, r: int, pages: list[int]) -> None:
         pool = self._pools[r][self._conn_leaf]
@@ -817,6 +861,7 @@ class PagedKVCacheManager:
             Not a TextContext; not claimed; ``TypeError`` for a connector
             answer that is not an int >= 0. State is unchanged.
         """
+        self._check_open("start_lookup")
         req = self._req("start_lookup", ctx)
         k = self._lookup_point(req, ctx)
         if k is None:
@@ -844,6 +889,7 @@ class PagedKVCacheManager:
         this admission. Raises ``TypeError`` / ``ValueError`` for a bad or
         unclaimed ctx.
         """
+        self._check_open("hand_back_lookup")
         req = self._req("hand_back_lookup", ctx)
         had = req.lookup is not None or req.lookup_pending
         req.lookup, req.lookup_pending = None, False
@@ -869,6 +915,7 @@ class PagedKVCacheManager:
             rows. State is unchanged.
         """
         op = "step"
+        self._check_open(op)
         req = self._req(op, ctx)
         if req.dummy:
             return
@@ -900,22 +947,48 @@ class PagedKVCacheManager:
         req.hashes = self._hashes_for(ctx, req.hashes)
         end = min(ctx.processed_length // self._page, len(req.hashes))
         run = []
-        for i in range(req.committed, end):
+        i = req.committed
+        while i < end and self._parent_published(req, i):
             h, toks = req.hashes[i], self._block_tokens(tokens, i)
             for leaf in self._paged_leaves:
                 row, pool = req.rows[leaf.leaf_id], self._pools[r][leaf.leaf_id]
                 b = row[i]
-                if b == NULL_BLOCK:
-                    continue
-                canon = pool.publish(b, h, toks)
-                if canon != b:  # Spec §5.1: twin dedup, keep the published copy
-                    pool.touch(canon)
-                    row[i] = canon
-                    pool.free([b])
+                if b != NULL_BLOCK:
+                    row[i] = self._publish_or_twin(pool, b, h, toks)
+            anchor = req.rows[self._anchor.leaf_id][i]
+            if anchor != NULL_BLOCK and self._pools[r][self._anchor.leaf_id].block_hash[anchor] != h:
+                break  # a collision: block i stays uncommitted and is retried at the next step
             run.append((h, np.array(toks, dtype=np.int32)))
-        req.committed = max(req.committed, end)
+            i += 1
+        req.committed = max(req.committed, i)
         if run and self._uses_connector:
             self._offload_queue[r].append(run)
+
+    def _parent_published(self, req: _Request, i: int) -> bool:
+        """spec/manager.md §5.1: block ``i`` may be published, or switched to a twin, only
+        when its parent is: the anchor leaf's page ``i - 1`` is the published page of
+        ``h_{i-1}`` (a page whose parent lost a hash collision never joins the index, so a
+        twin found by hash and tokens always continues the same chain)."""
+        if i == 0:
+            return True
+        pool = self._pools[req.replica][self._anchor.leaf_id]
+        parent = req.rows[self._anchor.leaf_id][i - 1]
+        # A sliding anchor's parent may be below the window (null): nothing to verify there.
+        return parent == NULL_BLOCK or pool.block_hash[parent] == req.hashes[i - 1]
+
+    @staticmethod
+    def _publish_or_twin(pool, b: int, h: bytes, toks) -> int:
+        """Publish page ``b`` under ``h``; the page the row keeps (spec/manager.md §5.1 twin dedup).
+
+        When a twin (same hash and tokens) is already published, the row switches to
+        it (one more reference) and ``b`` is freed; the caller has checked the parent
+        (``_parent_published``), so the twin continues the same chain.
+        """
+        canon = pool.publish(b, h, toks)
+        if canon != b:
+            pool.touch(canon)
+            pool.free([b])
+        return canon
 
     def _checkpoint(self, req: _Request, ctx: TextContext) -> None:
         p = ctx.processed_length
@@ -1046,6 +1119,7 @@ class PagedKVCacheManager:
             An unexpected error of a load handle, after its pages were
             unpinned unpublished.
         """
+        self._check_open("poll_transfers")
         self._connector.poll_transfers()
         self._post_offloads()
         self._drain()
@@ -1063,7 +1137,13 @@ class PagedKVCacheManager:
 
         Failed loads are handled as in ``poll_transfers``; the connector is
         shut down even if a transfer raised unexpectedly (which then propagates).
+        Afterwards the manager is closed (spec/manager.md §9.7): every call
+        that would change state raises ``RuntimeError``; queries still answer;
+        a second ``shutdown`` does nothing.
         """
+        if self._closed:
+            return
+        self._closed = True
         self._post_offloads()
         for t in list(self._loads) + list(self._offloads):
             try:
@@ -1182,7 +1262,10 @@ class PagedKVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         """Unpublish every unreferenced page of every replica and leaf, then reset the
-        connector; pages held by live requests or pinned by transfers stay published."""
+        connector; pages held by live requests or pinned by transfers stay published.
+
+        Raises ``RuntimeError`` after ``shutdown``."""
+        self._check_open("reset_prefix_cache")
         for pools in self._pools:
             for pool in pools.values():
                 pool.reset_prefix_cache()
@@ -1246,6 +1329,7 @@ class PagedKVCacheManager:
 
     def _inputs(self, op: str, leaf_ids: list[str], batches, max_cache_length) -> list[dict]:
         page = self._page
+        self._check_open(op)
         if not isinstance(batches, (list, tuple)):
             raise TypeError(f"{op}: batches={type(batches).__name__}, must be a list of lists of TextContext")
         for r, batch in enumerate(batches):
@@ -1290,7 +1374,8 @@ class PagedKVCacheManager:
                             f"{lid!r} ({len(row) * page} tokens) < current_position={c.current_position}; "
                             "it does not have sufficient blocks, alloc must be called first")
         need = max((self._required_blocks(c) for b in batches for c in b), default=0)
-        cols = lut_columns(op, need, page, max_cache_length, batches, self._max_batch_size)  # checks (4), (5)
+        cols = lut_columns(op, need, page, max_cache_length, batches, self._max_batch_size,
+                           self._max_seq_len)  # checks (4), (5)
 
         self._post_offloads()  # Spec §9.2: queued offloads are posted before the forward
         out = []
@@ -1391,10 +1476,11 @@ class PagedKVCacheManager:
                         h = q.hashes[i]
                         toks = self._block_tokens(ctx.tokens, i)
                         if pool.block_hash[b] is None:
-                            holder = pool.hash_to_block.get(h)
-                            assert holder is not None and not np.array_equal(pool.block_tokens[holder], toks), (
+                            # spec §10.4: only a page whose hash another page holds (a collision,
+                            # or a twin of another chain) stays unpublished; the chain stops there.
+                            assert pool.hash_to_block.get(h) is not None, (
                                 f"{p}: request {rid!r} committed block {i} (page {b}) is not published")
-                            continue
+                            break
                         assert pool.block_hash[b] == h, f"{p}: page {b} published under another hash than block {i}"
                         assert np.array_equal(pool.block_tokens[b], toks), f"{p}: page {b} tokens differ from block {i}"
             for b, c in self._pins[r].items():

@@ -16,7 +16,14 @@ from kvfast._block_pool import BlockPool as FastPool
 
 
 def _ref_publish_run(pool, blocks, hashes, toks):
-    return [pool.publish(b, h, t) for b, h, t in zip(blocks, hashes, toks)]
+    """A loop of ``publish`` that stops at the first collision (spec/manager.md §5.1 chain rule)."""
+    out = []
+    for b, h, t in zip(blocks, hashes, toks):
+        c = pool.publish(b, h, t)
+        if c == b and pool.block_hash[b] is None:
+            break
+        out.append(c)
+    return out
 
 
 def _ref_lookup_run(pool, hashes, toks):
@@ -93,9 +100,10 @@ def test_publish_run_repeated_hash_takes_the_loop():
     f = FastPool(8)
     blocks = f.allocate(3)
     toks = np.array([[1, 2], [1, 2], [3, 4]], np.int32)
-    # the second block is a twin of the first (same hash, same tokens); the third collides
+    # the second block is a twin of the first (same hash, same tokens); the third collides:
+    # the chain stops there (it is not in the result)
     got = f.publish_run(blocks, [b"a", b"a", b"a"], toks.tobytes())
-    assert got == [blocks[0], blocks[0], blocks[2]]
+    assert got == [blocks[0], blocks[0]]
     assert f.hash_to_block == {b"a": blocks[0]}
     assert f.block_hash[blocks[1]] is None and f.block_hash[blocks[2]] is None
     f.check_invariants({b: 1 for b in blocks})
