@@ -99,8 +99,8 @@ def append_kv(cache, layer: int, k, v, step: StepIndices) -> None:
     spec = _layer_spec(api, cache, layer, _ATTN_KINDS)
     _check_step(api, step)
     T = step.num_tokens
-    engine, layer = cache.engine, int(layer)
-    K, V = cache.keys(layer), cache.values(layer)
+    engine, layer = cache._engine, int(layer)
+    K, V = cache._kv[layer]  # the layer is validated above
     dt = cache.config.dtype
     k = _check_heads(api, "k", engine.kv_input(api, "k", k, K.dtype, dt), T, spec.kv_heads, spec.head_dim,
                      storage_dtype=K.dtype)

@@ -211,8 +211,10 @@ def scatter_rows(src_k, src_v, dst_k, dst_v, k_base, v_base, slot_mapping, block
     n = slot_mapping.shape[0]
     limit = (1 << 62) if limit is None else limit
     if n < PARALLEL_RUNS or k_base or v_base:
-        return _scatter_serial(src_k, src_v, dst_k[k_base:], dst_v[v_base:], slot_mapping, block_size,
-                               block_stride, row_stride, limit)
+        if k_base or v_base:  # a view per call costs as much as the dispatch: only when offset
+            dst_k, dst_v = dst_k[k_base:], dst_v[v_base:]
+        return _scatter_serial(src_k, src_v, dst_k, dst_v, slot_mapping, block_size, block_stride, row_stride,
+                               limit)
     starts = np.empty(n, np.int64)
     lengths = np.empty(n, np.int64)
     n_runs = _runs(slot_mapping, block_size, starts, lengths, limit)
