@@ -172,9 +172,9 @@ class FaultConnector:
         return t
 
     # -- protocol
-    def attach(self, buffers, params) -> None:
+    def attach(self, buffers, params, **kw) -> None:
         self.buffers = list(buffers)
-        self.inner.attach(buffers, params)
+        self.inner.attach(buffers, params, **kw)
 
     def lookup(self, hashes, tokens, replica_idx: int = 0) -> int:
         self.lookups += 1

@@ -38,9 +38,13 @@ class KVConnector(Protocol):
 
     name: str
 
-    def attach(self, buffers: Sequence[np.ndarray], params: KVCacheParams) -> None:
-        """Bind the device buffers (one per replica, ``[num_blocks, 2, num_layers,
-        page_size, kv_heads, head_dim]``) before first use."""
+    def attach(self, stores: Sequence, params: KVCacheParams) -> None:
+        """Bind the device pages before first use: one ``kvspec.PageStore`` per
+        replica (every device read and write goes through ``store.read`` /
+        ``store.write``; ``holds_bytes=False`` is bookkeeping-only mode), or one
+        buffer ``[num_blocks, 2, num_layers, page_size, kv_heads, head_dim]`` per
+        replica. A connector serves one live owner at a time: an attach over
+        another live manager's pages raises ``RuntimeError`` (spec/tiers.md §2)."""
 
     def lookup(self, hashes: Sequence[bytes], tokens: np.ndarray, replica_idx: int = 0) -> int:
         """Number of leading blocks of ``hashes`` the tiers hold. Advisory:
@@ -72,9 +76,13 @@ class KVConnector(Protocol):
     def shutdown(self) -> None:
         """Wait for every transfer and close the tiers; stored files stay."""
 
-    def host_byte_count(self) -> ByteCount: ...
+    def host_byte_count(self) -> ByteCount:
 
-    def disk_byte_count(self) -> ByteCount: ...
+        """Bytes of the host tier, ``ByteCount(free, total)`` (``(0, 0)`` without one)."""
+
+    def disk_byte_count(self) -> ByteCount:
+
+        """Bytes of the disk tier, ``ByteCount(free, total)`` (``(0, 0)`` without one)."""
 
     @property
     def metrics(self) -> KVCacheMetrics:
@@ -89,7 +97,7 @@ class NullConnector:
 
     name = "null"
 
-    def attach(self, buffers, params) -> None:
+    def attach(self, stores, params, **kw) -> None:
         return None
 
     def lookup(self, hashes, tokens, replica_idx: int = 0) -> int:
