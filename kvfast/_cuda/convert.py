@@ -13,7 +13,8 @@ import numpy as np
 
 from ._module import cupy
 
-__all__ = ["float_to_bf16_bits", "to_device_storage", "shape_proxy", "rows_contiguous"]
+__all__ = ["float_to_bf16_bits", "to_device_storage", "shape_proxy", "rows_contiguous", "storage_float32",
+           "query_float32"]
 
 
 def float_to_bf16_bits(x):
@@ -117,3 +118,22 @@ def rows_contiguous(x):
             and x.strides[0] >= x.shape[1] * x.shape[2] * it:
         return x
     return cp.ascontiguousarray(x)
+
+
+def storage_float32(x):
+    """float32 values of device storage: ``uint16`` storage is a bfloat16 cache's bit patterns
+    (widened exactly: the bits become the high half of a float32), anything else is cast."""
+    cp = cupy()
+    if x.dtype == cp.uint16:
+        return (x.astype(cp.uint32) << cp.uint32(16)).view(cp.float32)
+    return x.astype(cp.float32)
+
+
+def query_float32(q):
+    """A query (host or device, float16/bfloat16/float32/float64) as a float32 device array,
+    as the reference computes (``q.astype(float32)``); a NumPy bfloat16 array is widened on
+    the host (exact; CuPy has no bfloat16)."""
+    cp = cupy()
+    if isinstance(q, np.ndarray) and q.dtype.name == "bfloat16":
+        q = q.astype(np.float32)
+    return cp.asarray(q).astype(cp.float32, copy=False)

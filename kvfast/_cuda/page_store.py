@@ -12,6 +12,7 @@ before the call are ordered before the copy.
 
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
 import numpy as np
@@ -101,8 +102,9 @@ class CudaPageStore:
         self._pages = buffer.view(np.uint8).reshape(self.num_pages, self.page_nbytes).view(self._word)
         self._device_id = int(buffer.device.id)
         self._stream = stream if stream is not None else cp.cuda.get_current_stream()
-        self._bounce = None  # device staging [cap, page_words]
-        self._host = None  # pinned host staging [cap, page_nbytes] uint8
+        # Per thread (tiers read and write from transfer threads): a device bounce buffer
+        # [cap, page_words] and a pinned host buffer [cap, page_nbytes] uint8.
+        self._local = threading.local()
 
     # ------------------------------------------------------------------ helpers
 
@@ -128,12 +130,14 @@ class CudaPageStore:
     def _staging(self, n: int):
         """Device bounce buffer and pinned host buffer of at least ``n`` pages."""
         cp = cupy()
-        if self._bounce is None or self._bounce.shape[0] < n:
-            cap = max(n, 2 * (0 if self._bounce is None else self._bounce.shape[0]), 1)
+        loc = self._local
+        bounce = getattr(loc, "bounce", None)
+        if bounce is None or bounce.shape[0] < n:
+            cap = max(n, 2 * (0 if bounce is None else bounce.shape[0]), 1)
             with cp.cuda.Device(self._device_id):
-                self._bounce = cp.empty((cap, self._pages.shape[1]), dtype=self._word)
-            self._host = pinned_empty((cap, self.page_nbytes))
-        return self._bounce[:n], self._host[:n]
+                loc.bounce = cp.empty((cap, self._pages.shape[1]), dtype=self._word)
+            loc.host = pinned_empty((cap, self.page_nbytes))
+        return loc.bounce[:n], loc.host[:n]
 
     # ------------------------------------------------------------------ PageStore
 
@@ -148,7 +152,8 @@ class CudaPageStore:
         Returns
         -------
         numpy.ndarray uint8 [n, page_nbytes]
-            Valid until the next ``read`` on this store.
+            Valid until the next ``read`` on this store from the same thread
+            (each thread stages through its own buffers).
 
         Raises
         ------
