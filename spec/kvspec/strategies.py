@@ -24,7 +24,10 @@ __all__ = [
     "token_ids",
     "prompts",
     "exact_values",
+    "nonzero_values",
     "kv_arrays",
+    "kv_pairs",
+    "distinct_pair",
     "layer_specs",
     "cache_configs",
     "manager_setups",
@@ -65,6 +68,47 @@ def exact_values(shape, dtype, seed: int) -> np.ndarray:
     dt = KV_DTYPES[dtype] if isinstance(dtype, str) else np.dtype(dtype)
     rng = np.random.default_rng(seed)
     return (rng.integers(-63, 64, size=shape) / 8.0).astype(dt)
+
+
+def nonzero_values(shape, dtype, seed: int) -> np.ndarray:
+    """Like :func:`exact_values` but never zero: ``k / 8`` with ``1 <= |k| <= 63``.
+
+    Zero is what a fresh buffer holds, so a write that never happened (or a
+    row written to the wrong place and read back from an empty one) cannot
+    pass as a written zero.
+
+    Returns
+    -------
+    ndarray [shape], dtype
+    """
+    dt = KV_DTYPES[dtype] if isinstance(dtype, str) else np.dtype(dtype)
+    rng = np.random.default_rng(seed)
+    mag = rng.integers(1, 64, size=shape)
+    sign = np.where(rng.integers(0, 2, size=shape) == 1, 1, -1)
+    return (mag * sign / 8.0).astype(dt)
+
+
+def distinct_pair(shape, dtype, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(k, v)``: independent non-zero draws that differ in **every** element.
+
+    ``v`` is drawn from another seed, then negated wherever it equals ``k``
+    (non-zero, so the negation differs), so "V written as K", "K and V
+    swapped" or a V copied from K's source never compares equal.
+
+    Returns
+    -------
+    k, v : ndarray [shape], dtype
+    """
+    k = nonzero_values(shape, dtype, seed)
+    v = nonzero_values(shape, dtype, seed ^ 0x5BD1E995)
+    same = v == k
+    v[same] = -v[same]
+    return k, v
+
+
+def kv_pairs(shape, dtype) -> st.SearchStrategy[tuple[np.ndarray, np.ndarray]]:
+    """``(k, v)`` from :func:`distinct_pair` (one seed drawn; never equal, never zero)."""
+    return st.integers(0, 2**32 - 1).map(lambda seed: distinct_pair(tuple(shape), dtype, seed))
 
 
 def kv_arrays(shape, dtype) -> st.SearchStrategy[np.ndarray]:

@@ -21,6 +21,7 @@ carries a paste-ready script that replays it (``_compare.Reproduction``).
 from __future__ import annotations
 
 import numpy as np
+from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, multiple, precondition, rule
 
@@ -46,18 +47,67 @@ def scatter_kv(cache, layer: int, k: np.ndarray, v: np.ndarray, step) -> None:
         if isinstance(flat, np.ndarray):
             flat[sm] = src
         else:  # pragma: no cover - GPU arrays
-            import cupy
+            from ._compare import to_device
 
-            flat[cupy.asarray(sm)] = cupy.asarray(src)
+            flat[to_device(sm)] = to_device(src)
+
+
+#: How ``append_kv`` receives K and V (the storage dtype unless the layout says otherwise).
+_LAYOUTS = ("contiguous", "contiguous", "strided_v", "strided_k", "inner_strided", "float32", "float64", "same_size")
+
+#: Edits of a step's ``slot_mapping``: padding (-1) at token 0 or the last token, exactly the
+#: pool's end (one past the last row: ``IndexError``), the pool's last row (a legal write).
+_EDGES = ("pad_first", "pad_last", "end_first", "end_last", "last_row_first")
+
+
+def _strided(a: np.ndarray, axis: int) -> np.ndarray:
+    """``a``'s values as a view with stride 2 along ``axis`` (every other element of a bigger array)."""
+    shape = list(a.shape)
+    shape[axis] *= 2
+    big = np.zeros(shape, a.dtype)
+    index = [slice(None)] * a.ndim
+    index[axis] = slice(None, None, 2)
+    view = big[tuple(index)]
+    view[...] = a
+    return view
+
+
+def _layout(layout: str, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(k, v)`` as ``append_kv`` receives them under ``layout`` (same values)."""
+    if layout == "strided_v":  # a strided V with a contiguous K
+        return k, _strided(v, 0)
+    if layout == "strided_k":
+        return _strided(k, 0), v
+    if layout == "inner_strided":  # head_dim not contiguous in K, heads not in V
+        return _strided(k, 2), _strided(v, 1)
+    if layout == "same_size":  # another dtype of the storage's item size: a bit copy would be wrong
+        other = {"float16": "bfloat16", "bfloat16": "float16"}.get(k.dtype.name, "float16")
+        layout = other
+    if layout in ("float32", "float64", "float16", "bfloat16"):  # cast on write; the values are exact in each
+        from .._dtypes import KV_DTYPES
+
+        dt = KV_DTYPES.get(layout, np.dtype(layout) if layout != "bfloat16" else None)
+        return k.astype(dt), v.astype(dt)
+    return k, v
+
+
+def _bend(step, edge: str, rows: int):
+    """``step`` with its ``slot_mapping`` edited at an edge (see ``_EDGES``)."""
+    import dataclasses
+
+    sm = np.array(to_numpy(step.slot_mapping), copy=True)
+    i = 0 if edge.endswith("first") else sm.shape[0] - 1
+    sm[i] = {"pad_first": -1, "pad_last": -1, "end_first": rows, "end_last": rows, "last_row_first": rows - 1}[edge]
+    return dataclasses.replace(step, slot_mapping=sm)
 
 
 def _assign(view, index, values: np.ndarray) -> None:
     if isinstance(view, np.ndarray):
         view[index] = values
     else:  # pragma: no cover - GPU arrays
-        import cupy
+        from ._compare import to_device
 
-        view[index] = cupy.asarray(values)
+        view[index] = to_device(values)
 
 
 def live_kv(cache, layer: int, slot: int, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -65,11 +115,22 @@ def live_kv(cache, layer: int, slot: int, n: int) -> tuple[np.ndarray, np.ndarra
     and ``paged_block_table()`` (no ``ops`` needed)."""
     K, V = to_numpy(cache.keys(layer)), to_numpy(cache.values(layer))
     if cache.mode() is KVCacheMode.CONTIGUOUS:
+        if not 0 <= n <= K.shape[1]:
+            raise AssertionError(f"slot {slot} has length {n}, outside the cache's [0, {K.shape[1]}] (keys({layer}).shape={K.shape})")
         return K[slot, :n].copy(), V[slot, :n].copy()
     table = to_numpy(cache.paged_block_table())
     P = K.shape[1]
+    if not 0 <= n <= table.shape[1] * P:
+        raise AssertionError(
+            f"slot {slot} has length {n}, outside the block table's [0, {table.shape[1] * P}] "
+            f"({table.shape[1]} columns of {P} tokens)"
+        )
     pos = np.arange(n)
     blocks = table[slot, pos // P]
+    bad = np.flatnonzero((blocks < 0) | (blocks >= K.shape[0]))
+    if bad.size:
+        raise AssertionError(f"paged_block_table()[{slot}, {int(pos[bad[0]]) // P}]={int(blocks[bad[0]])} "
+                             f"is not a block of the pool [0, {K.shape[0]})")
     return K[blocks, pos % P].copy(), V[blocks, pos % P].copy()
 
 
@@ -184,6 +245,35 @@ class KVCacheComparison(BackendBound, RuleBasedStateMachine):
             else:
                 self.ptrs[("keys", l)] = data_ptr(self.sut.keys(l))
                 self.ptrs[("values", l)] = data_ptr(self.sut.values(l))
+        self._prefill(data)
+
+    def _prefill(self, data) -> None:
+        """Every example starts with K/V in every slot: a forward of a drawn length
+        (often 1, often the whole ``max_seq_len``, so the storage's first and
+        last rows are written) per slot, then a gather of each written slot."""
+        if self.backend.ops is None and not self.strict:
+            return
+        for s in range(self.S):
+            n = data.draw(st.sampled_from([0, 1, 1, self.L, self.L]) | st.integers(1, self.L), label=f"prefill {s}")
+            if n == 0:
+                continue
+            out = self._both(
+                f"step = cache.prepare_step(np.array([0, {n}], np.int32), np.array([0], np.int32), np.array([{s}], np.int32))",
+                lambda c, ops, n=n, s=s: c.prepare_step(np.array([0, n], np.int32), np.array([0], np.int32),
+                                                        np.array([s], np.int32)),
+            )
+            if out is None:  # a small pool ran out: CapacityError on both sides
+                continue
+            self.step = (out[0], out[1], [(s, 0, n)])
+            self._tokens_for(s, n, data)
+            self.append_kv(data)
+            self._both(f"cache.update_position({s}, {n})", lambda c, ops, s=s, n=n: c.update_position(s, n))
+        self.step = None
+        if self.backend.ops is not None and self.strict:
+            for s in range(self.S):
+                for l in self._layers(*_ATTN):
+                    self._both(f"tuple(np.asarray(x) for x in ops.gather_kv(cache, {l}, {s}))",
+                               lambda c, ops, l=l, s=s: tuple(to_numpy(x).copy() for x in ops.gather_kv(c, l, s)))
 
     # ------------------------------------------------------------------ prompts
 
@@ -204,6 +294,8 @@ class KVCacheComparison(BackendBound, RuleBasedStateMachine):
         slots = data.draw(st.permutations(range(self.S)), label="order")[:B]
         q = [data.draw(st.integers(1, 3), label="q_len") for _ in range(B)]
         past = [seq[s] for s in slots]
+        if data.draw(_RARE, label="to the end"):  # the last row fills its slot: the pool's last storage row
+            q[-1] = max(self.L - past[-1], 1)
         fault = data.draw(st.sampled_from(["ok"] * 8 + ["past", "dup", "slot", "cu0", "long", "shape"]), label="fault")
         cu = [0]
         for n in q:
@@ -233,26 +325,63 @@ class KVCacheComparison(BackendBound, RuleBasedStateMachine):
             self.step = (out[0], out[1], list(zip(slots, past, q)))
             for s, p, n in self.step[2]:
                 self._tokens_for(s, p + n, data)
+            # A forward, most of the time: real K/V into every attention layer, then the commit,
+            # so stored bytes change often and are compared after each write.
+            if self.backend.ops is not None or self.paged or self.strict:
+                if data.draw(st.sampled_from([True, True, True, False]), label="forward"):
+                    self.append_kv(data)
+                    if data.draw(st.sampled_from([True, True, True, False]), label="commit"):
+                        for s, p, n in list(self.step[2]):
+                            self._both(f"cache.update_position({s}, {p + n})", lambda c, ops, s=s, v=p + n: c.update_position(s, v))
 
     @precondition(lambda self: self.step is not None)
     @rule(data=st.data())
     def append_kv(self, data):
+        """Write the last step's K/V into every attention layer.
+
+        K and V are independent non-zero draws that differ in every element
+        (``kst.kv_pairs``), passed contiguous, with V (or K) strided, with a
+        non-contiguous inner axis, or in a dtype other than storage's (cast on
+        write). With ``strict_block_ids`` the step's ``slot_mapping`` is
+        sometimes bent at its edges: token 0 or the last token made padding
+        (``-1``, skipped), or pointed exactly at the pool's end (``IndexError``,
+        nothing written) or at its last row.
+        """
         ref_step, sut_step, rows = self.step
         T = int(sum(n for _, _, n in rows))
+        layout = data.draw(st.sampled_from(_LAYOUTS), label="layout")
+        edge = "none"
+        if self.strict and self.backend.ops is not None and isinstance(sut_step.slot_mapping, np.ndarray):
+            edge = data.draw(st.sampled_from(["none"] * 6 + list(_EDGES)), label="slot_mapping edge")
+        skipped = set()
+        event(f"append_kv: layout {layout}, slot_mapping edge {edge}")
         for l in self._layers(*_ATTN):
             sp = self.specs[l]
-            k = data.draw(kst.kv_arrays((T, sp.kv_heads, sp.head_dim), self.cfg.dtype), label="k")
-            v = data.draw(kst.kv_arrays((T, sp.kv_heads, sp.head_dim), self.cfg.dtype), label="v")
+            k, v = data.draw(kst.kv_pairs((T, sp.kv_heads, sp.head_dim), self.cfg.dtype), label="k, v")
+            k_in, v_in = _layout(layout, k, v)
+            steps = {id(self.ref): ref_step, id(self.sut): sut_step}
+            if edge != "none":
+                rows_total = int(np.prod(to_numpy(self.ref.keys(l)).shape[:2]))
+                steps = {key: _bend(st_, edge, rows_total) for key, st_ in steps.items()}
+                if edge in ("pad_first", "pad_last"):
+                    skipped.add(0 if edge == "pad_first" else T - 1)
 
-            def call(c, ops, l=l, k=k, v=v):
-                st_ = ref_step if c is self.ref else sut_step
+            def call(c, ops, l=l, k=k_in, v=v_in, steps=steps):
+                st_ = steps[id(c)]
                 if ops is None:
                     return scatter_kv(c, l, k, v, st_)
                 return ops.append_kv(c, l, k, v, st_)
 
-            self._both(f"ops.append_kv(cache, {l}, k, v, step)", call, values={"k": k, "v": v})
+            values = {"k": k_in, "v": v_in}
+            target = "step"
+            if edge != "none":
+                values["sm"] = to_numpy(steps[id(self.sut)].slot_mapping)
+                target = "__import__('dataclasses').replace(step, slot_mapping=sm)"
+            self._both(f"ops.append_kv(cache, {l}, k, v, {target})", call, values=values)
+        t = 0
         for s, p, n in rows:
-            self.fresh[s].update(range(p, p + n))
+            self.fresh[s].update(p + j for j in range(n) if t + j not in skipped)
+            t += n
 
     @rule(data=st.data())
     def update_position(self, data):
@@ -294,7 +423,12 @@ class KVCacheComparison(BackendBound, RuleBasedStateMachine):
         positions reserved but never written hold a reused block's old bytes)."""
         layers = self._layers(*_ATTN)
         l = self._pick(data, st.sampled_from(layers), [len(self.specs)], "layer")
-        s = self._pick(data, st.integers(0, self.S - 1), [self.S], "slot")
+        busy = [s for s, n in enumerate(self._seq()) if n > 0]
+        # Non-empty slots, usually: a gather of an empty slot compares two empty arrays.
+        s = self._pick(data, st.sampled_from(busy) if busy else st.integers(0, self.S - 1), [self.S], "slot")
+        if 0 <= s < self.S and l < len(self.specs):
+            n = self._seq()[s]
+            event(f"gather_kv: length {'0' if n == 0 else '1' if n == 1 else '>1'}")
         self._both(f"tuple(np.asarray(x) for x in ops.gather_kv(cache, {l}, {s}))", lambda c, ops: tuple(to_numpy(x).copy() for x in ops.gather_kv(c, l, s)))
 
     @precondition(lambda self: self.step is not None and self.backend.ops is not None and self.strict)

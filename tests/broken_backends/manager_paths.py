@@ -1,0 +1,225 @@
+"""Bugs on the manager's rare paths (issue 20, "the manager under collisions",
+"rare but legal sequences"). Each factory is kvref's manager with one bug; the
+suite must fail on every one:
+
+* ``hit_skips_last_token``: a prefix hit compares each block's tokens except
+  the last (only a hash collision exposes it: then another prompt's K/V is served).
+* ``replacement_alloc_counts_twice``: ``alloc`` with a replacement context
+  counts the forward's input tokens again.
+* ``deferred_alloc_counts_twice``: a repeated ``alloc(defer_lookup=True)``
+  counts the forward's input tokens again.
+* ``chunk_cap_whole_pages``: the hit cap of a chunk is ``active // page``
+  (not ``(active - 1) // page``): a chunk of whole cached pages leaves no active token.
+* ``no_publish_after_chunk``: ``step`` after a non-final chunk publishes nothing.
+* ``no_twin_dedup``: a block whose twin is published keeps its own page.
+* ``decode_growth_late``: a decode step that needs one more page does not get it.
+* ``revived_hits_counted_free``: the capacity check counts the hit pages
+  revived from the free list as still free.
+* ``capacity_off_by_one``: ``InsufficientBlocksError`` when the need equals the free count.
+* ``hit_run_capped``: device hits stop after 15 blocks.
+* ``decode_hashes_sha256``: a block hashed when a decode step fills it uses
+  sha256 whatever ``hash_algo`` says.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvref import PagedKVCacheManager
+from kvref._block_pool import NULL_BLOCK, BlockPool
+from kvspec import InsufficientBlocksError, hashing
+
+from ._common import backend_like_kvref, swap_pools
+
+
+def _backend(name: str, cls):
+    return backend_like_kvref(f"broken-{name}", manager_cls=cls)
+
+
+class _LastTokenUncheckedPool(BlockPool):
+    def lookup(self, block_hash, tokens):
+        block = self.hash_to_block.get(block_hash)
+        if block is None:
+            return None
+        stored, toks = self.block_tokens[block], np.asarray(tokens, np.int32)
+        if stored is None or not np.array_equal(stored[:-1], toks[:-1]):
+            return None
+        return block
+
+
+class _HitSkipsLastToken(PagedKVCacheManager):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        swap_pools(self, _LastTokenUncheckedPool)
+
+
+def hit_skips_last_token():
+    return _backend("hit-skips-last-token", _HitSkipsLastToken)
+
+
+class _ReplacementCountsTwice(PagedKVCacheManager):
+    def alloc(self, ctx, *, defer_lookup=False):
+        req = self._requests.get(getattr(ctx, "request_id", None))
+        replaced = req is not None and req.ctx is not ctx
+        out = super().alloc(ctx, defer_lookup=defer_lookup)
+        if replaced:
+            self._metrics.input_tokens += ctx.active_length
+        return out
+
+
+def replacement_alloc_counts_twice():
+    return _backend("replacement-alloc-counts-twice", _ReplacementCountsTwice)
+
+
+class _DeferredCountsTwice(PagedKVCacheManager):
+    def alloc(self, ctx, *, defer_lookup=False):
+        req = self._requests.get(getattr(ctx, "request_id", None))
+        repeated = req is not None and any(req.rows.values())
+        out = super().alloc(ctx, defer_lookup=defer_lookup)
+        if defer_lookup is True and repeated:
+            self._metrics.input_tokens += ctx.active_length
+        return out
+
+
+def deferred_alloc_counts_twice():
+    return _backend("deferred-alloc-counts-twice", _DeferredCountsTwice)
+
+
+class _ChunkCapWholePages(PagedKVCacheManager):
+    def _splice_device_hit(self, req, ctx, copies):
+        if not ctx.pending_length:
+            return super()._splice_device_hit(req, ctx, copies)
+        ctx._active += 1  # the cap sees one active token more than there is
+        try:
+            return super()._splice_device_hit(req, ctx, copies)
+        finally:
+            ctx._active -= 1
+
+
+def chunk_cap_whole_pages():
+    return _backend("chunk-cap-whole-pages", _ChunkCapWholePages)
+
+
+class _NoPublishAfterChunk(PagedKVCacheManager):
+    def step(self, ctx):
+        if ctx.active_length > 1 and self._caching:  # advance_chunk() left several active tokens
+            self._caching = False
+            try:
+                return super().step(ctx)
+            finally:
+                self._caching = True
+        return super().step(ctx)
+
+
+def no_publish_after_chunk():
+    return _backend("no-publish-after-chunk", _NoPublishAfterChunk)
+
+
+class _NoDedupPool(BlockPool):
+    def publish(self, block, block_hash, tokens):
+        super().publish(block, block_hash, tokens)
+        return block  # the twin is ignored: our page stays in the row
+
+
+class _NoTwinDedup(PagedKVCacheManager):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        swap_pools(self, _NoDedupPool)
+
+
+def no_twin_dedup():
+    return _backend("no-twin-dedup", _NoTwinDedup)
+
+
+class _DecodeGrowthLate(PagedKVCacheManager):
+    def _required_blocks(self, ctx):
+        need = super()._required_blocks(ctx)
+        req = self._requests.get(ctx.request_id)
+        held = len(req.rows.get(self._conn_leaf, ())) if req is not None else 0
+        if held and need == held + 1 and ctx.active_length == 1:
+            return held  # the decode step's new page is not drawn
+        return need
+
+
+def decode_growth_late():
+    return _backend("decode-growth-late", _DecodeGrowthLate)
+
+
+class _GrowCheck(PagedKVCacheManager):
+    """kvref's ``_grow`` with the capacity check replaced by ``_too_few``."""
+
+    def _splice_device_hit(self, req, ctx, copies):
+        self._free_before_splice = {lid: p.num_free for lid, p in self._pools[req.replica].items()}
+        return super()._splice_device_hit(req, ctx, copies)
+
+    def _grow(self, req, ctx, copies):
+        pools = self._pools[req.replica]
+        required = self._required_blocks(ctx)
+        need = {}
+        for leaf in self._leaves:
+            row = req.rows[leaf.leaf_id]
+            n = ((0 if row else 1) + (1 if self._caching and len(row) < 2 else 0)) if leaf.is_recurrent else max(required - len(row), 0)
+            free = self._free_count(leaf.leaf_id, pools[leaf.leaf_id])
+            if self._too_few(n, free):
+                raise InsufficientBlocksError(
+                    f"alloc: request_id={ctx.request_id!r} needs {n} blocks of leaf {leaf.leaf_id!r}, "
+                    f"{free} free or evictable on replica {req.replica}"
+                )
+            need[leaf.leaf_id] = n
+        self._free_before_splice = {}
+        for leaf in self._leaves:  # the draw without kvref's own check: BlockPool.allocate raises CapacityError
+            n = need[leaf.leaf_id]
+            if not n:
+                continue
+            row = req.rows[leaf.leaf_id]
+            pages = pools[leaf.leaf_id].allocate(n)
+            if leaf.is_recurrent and not row:
+                src = req.restore.get(leaf.leaf_id)
+                copies.append(("restore", leaf.leaf_id, src if src is not None else NULL_BLOCK, pages[0]))
+            row.extend(pages)
+
+    def _free_count(self, leaf_id, pool):
+        return pool.num_free
+
+    def _too_few(self, n, free):
+        return n > free
+
+
+class _RevivedHitsCountedFree(_GrowCheck):
+    def _free_count(self, leaf_id, pool):
+        return getattr(self, "_free_before_splice", {}).get(leaf_id, pool.num_free)
+
+
+def revived_hits_counted_free():
+    return _backend("revived-hits-counted-free", _RevivedHitsCountedFree)
+
+
+class _CapacityOffByOne(_GrowCheck):
+    def _too_few(self, n, free):
+        return n > 0 and n >= free
+
+
+def capacity_off_by_one():
+    return _backend("capacity-off-by-one", _CapacityOffByOne)
+
+
+class _HitRunCapped(PagedKVCacheManager):
+    def _device_hit(self, r, hashes, tokens, cap):
+        return super()._device_hit(r, hashes, tokens, min(cap, 15))
+
+
+def hit_run_capped():
+    return _backend("hit-run-capped", _HitRunCapped)
+
+
+class _DecodeHashesSha256(PagedKVCacheManager):
+    def _hashes_for(self, ctx, have):
+        n = (len(ctx) - 1) // self._page
+        if have and n == len(have) + 1:  # one more block: a decode step filled it
+            block = ctx.tokens[len(have) * self._page : n * self._page]
+            return list(have) + [hashing.block_hash(have[-1], block, "sha256")]
+        return super()._hashes_for(ctx, have)
+
+
+def decode_hashes_sha256():
+    return _backend("decode-hashes-sha256", _DecodeHashesSha256)
