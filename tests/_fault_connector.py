@@ -91,8 +91,11 @@ class GatedTransfer:
         if not self.scribbled:
             # a torn copy: whatever landed is garbage
             buf = self._owner.buffers[self.replica]
-            for b in self.pages:
-                buf[b].view(np.uint8)[...] = 0xAB
+            if isinstance(buf, np.ndarray):
+                for b in self.pages:
+                    buf[b].view(np.uint8)[...] = 0xAB
+            elif buf.holds_bytes:  # a kvspec.PageStore: write through it, as the tiers do
+                buf.write(list(self.pages), np.full((len(self.pages), buf.page_nbytes), 0xAB, np.uint8))
             self.scribbled = True
         raise KVLoadFailed(f"FaultConnector: injected {self.fault} for pages {self.pages}")
 
