@@ -433,11 +433,16 @@ class TieredConnector:
             return owner is not None and owner is held
         if len(sources) != len(self._sources):
             return False
-        return all(
-            a is b or (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape
-                       and np.shares_memory(a, b))
-            for a, b in zip(sources, self._sources)
-        )
+
+        def same(a, b) -> bool:
+            if a is b:
+                return True
+            # a store re-made over the same buffer is the same owner's pages
+            a, b = getattr(a, "buffer", a), getattr(b, "buffer", b)
+            return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape
+                    and np.shares_memory(a, b))
+
+        return all(same(a, b) for a, b in zip(sources, self._sources))
 
     def _bind(self, stores, sources, params, owner) -> None:
         """Take ``stores`` as the device pages of ``owner`` (lock held)."""
