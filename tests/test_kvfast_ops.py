@@ -60,7 +60,7 @@ def test_scatter_rows_matches_numpy(parallel, data):
     assert dk.tobytes() == want_k.tobytes() and dv.tobytes() == want_v.tobytes()
 
 
-def test_gather_copy_zero_rows():
+def test_gather_rows():
     rng = np.random.default_rng(3)
     src = rng.integers(0, 1000, 6 * 4 * 3).astype(np.uint32)
     row = np.array([5, 2, 0], np.int32)
@@ -69,12 +69,6 @@ def test_gather_copy_zero_rows():
     pool = src.reshape(6, 4, 3)
     want = np.concatenate([pool[5], pool[2]])[:7]
     assert np.array_equal(out, want)
-    a = rng.integers(0, 9, (5, 4)).astype(np.uint16)
-    b = a.copy()
-    C.copy_blocks(a, b, np.array([[1, 3], [0, 4]], np.int64))
-    assert np.array_equal(b[3], a[1]) and np.array_equal(b[4], a[0]) and np.array_equal(b[:3], a[:3])
-    C.zero_rows(b, np.array([0, 2], np.int64))
-    assert not b[0].any() and not b[2].any() and np.array_equal(b[1], a[1])
 
 
 def test_word_dtype_and_views():

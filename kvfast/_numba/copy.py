@@ -1,4 +1,4 @@
-"""Row and block copies on the CPU (the Numba twins of ``kernels/*.cu``).
+"""Row copies on the CPU (the Numba twins of ``kernels/append_kv.cu`` and ``gather_kv.cu``).
 
 Storage is addressed exactly like the CUDA kernels address it: a flat word
 array plus a base offset, ``block_size``, ``block_stride`` and ``row_stride``
@@ -19,7 +19,7 @@ from numba.extending import intrinsic
 
 __all__ = [
     "PARALLEL_RUNS", "PARALLEL_SPAN_BYTES", "word_dtype", "as_words", "flat_words",
-    "scatter_rows", "gather_rows", "copy_blocks", "zero_rows",
+    "scatter_rows", "gather_rows",
 ]
 
 #: The scatter runs in parallel (prange over spans) when a step has at least
@@ -237,25 +237,3 @@ def gather_rows(src, base, block_row, seq_len, block_size, block_stride, row_str
         off = base + block_row[p // block_size] * block_stride + (p % block_size) * row_stride
         for i in range(r):
             out[p, i] = src[off + i]
-
-
-@njit(nogil=True, cache=True)
-def copy_blocks(src, dst, block_mapping):
-    """``dst[m[i, 1]] = src[m[i, 0]]`` for each pair of ``block_mapping``
-    (``src``/``dst`` ``[num_blocks, block_words]``; pairs applied in order)."""
-    r = src.shape[1]
-    for p in range(block_mapping.shape[0]):
-        s = block_mapping[p, 0]
-        d = block_mapping[p, 1]
-        for i in range(r):
-            dst[d, i] = src[s, i]
-
-
-@njit(nogil=True, cache=True)
-def zero_rows(dst, rows):
-    """``dst[rows[i]] = 0`` (``dst`` ``[num_rows, row_words]``)."""
-    r = dst.shape[1]
-    for p in range(rows.shape[0]):
-        row = rows[p]
-        for i in range(r):
-            dst[row, i] = 0
