@@ -139,7 +139,7 @@ def check_make_args(api: str, config, layer_specs) -> tuple[KVLayerSpec, ...]:
             raise TypeError(f"{api}: layer_specs[{i}]={spec!r}, must be a KVLayerSpec")
     if len(specs) != config.num_layers:
         raise ValueError(f"{api}: len(layer_specs)={len(specs)} != config.num_layers={config.num_layers}")
-    # Spec §8.16: one encoder length per slot, so every cross layer has the same max_enc_len.
+    # spec/slot-cache.md §8.16: one encoder length per slot, so every cross layer has the same max_enc_len.
     cross = [(i, sp.max_enc_len) for i, sp in enumerate(specs) if sp.kind is LayerKind.CROSS_ATTENTION]
     for i, m in cross[1:]:
         if m != cross[0][1]:
@@ -237,7 +237,7 @@ class KVCache:
         ValueError
             ``config.device`` is not ``"cpu"`` (kvref is NumPy; CUDA storage is kvfast's).
         """
-        # Spec §1: kvref is pure NumPy; CUDA storage is kvfast's.
+        # spec/slot-cache.md §1: kvref is pure NumPy; CUDA storage is kvfast's.
         if parse_device("KVCache.make", config.device)[0] != "cpu":
             raise ValueError(f"KVCache.make: config.device={config.device!r}, kvref stores on 'cpu' only (use kvfast)")
         return ReferenceSlotEngine()
@@ -375,7 +375,7 @@ class KVCache:
         layer = self._layer("recurrent_state", layer, (LayerKind.STATE,))
         rec = self._rec[layer]
         if rec is None:
-            # Spec §2.4: no recurrent slab is a missing storage kind, like a wrong layer kind.
+            # spec/slot-cache.md §2.4: no recurrent slab is a missing storage kind, like a wrong layer kind.
             raise TypeError(f"recurrent_state: layer={layer} is STATE with recurrent=None, has no recurrent state")
         return rec
 
@@ -437,9 +437,9 @@ class KVCache:
             raise ValueError(f"{api}: new_pos={pos} > capacity={cap} of slot {b}")
         shared = int(self._nshared[b]) * self._config.block_size
         if pos < shared:
-            # Spec §2.6: positions below the adopted prefix live in shared blocks; rewriting them is forbidden.
+            # spec/slot-cache.md §2.6: positions below the adopted prefix live in shared blocks; rewriting them is forbidden.
             raise ValueError(f"{api}: new_pos={pos} < shared prefix={shared} of slot {b}")
-        # Spec §2.6: shrinking keeps the blocks (capacity stays); nothing is zeroed or freed.
+        # spec/slot-cache.md §2.6: shrinking keeps the blocks (capacity stays); nothing is zeroed or freed.
         self._seq[b] = pos
         self._write_sets.pop(b)
 
@@ -462,7 +462,7 @@ class KVCache:
         """Free slot ``b``: blocks tail first, zero its cross planes and state slabs."""
         if self._paged:
             n = int(self._nblk[b])
-            # Spec §5: release tail first, so a chain's tail is evicted before its head.
+            # spec/slot-cache.md §5: release tail first, so a chain's tail is evicted before its head.
             self._engine.release_blocks(self._pool, self._table[b, :n][::-1])
             self._table[b, :] = NULL_BLOCK
         self._nblk[b] = 0
@@ -520,6 +520,8 @@ class KVCache:
         k, v : float [t_enc, kv_heads, head_dim]
             ``1 <= t_enc <= max_enc_len``; cast to ``config.dtype``.
 
+        Notes
+        -----
         Does not change ``seq_lens()``. Sets the slot's encoder length
         (``StepIndices.cross_seqused_k``), shared by all cross layers.
 
@@ -573,7 +575,7 @@ class KVCache:
         free = self._pool.num_free
         if total > free:
             raise CapacityError(f"{api}: needs {total} blocks, {free} free or evictable")
-        # Spec §5: one pop from the front for the whole step, handed out in row order.
+        # spec/slot-cache.md §5: one pop from the front for the whole step, handed out in row order.
         self._engine.grow_rows(self._pool, slots, add, total, self._table, self._nblk)
 
     def prepare_step(self, cu_seqlens_q, past_len, slot_ids) -> StepIndices:
@@ -618,7 +620,7 @@ class KVCache:
         if past.shape[0] != B:
             raise ValueError(f"{api}: len(past_len)={past.shape[0]} != len(slot_ids)={B}")
         cfg, engine = self._config, self._engine
-        # Spec §2.8: the engine finds the first offender in the spec's check order; the message is ours.
+        # spec/slot-cache.md §2.8: the engine finds the first offender in the spec's check order; the message is ours.
         code, i, j = engine.check_step(cu, past, slots, self._seq, cfg.max_seqs, cfg.max_seq_len)
         if code != STEP_OK:
             self._raise_step(api, code, cu, past, slots, i, j)
@@ -632,7 +634,7 @@ class KVCache:
         return engine.build_step(cu, past, slots, None, self._enc, cfg.block_size, cfg.max_seq_len)
 
     def _raise_step(self, api: str, code: int, cu, past, slots, i: int, j: int) -> None:
-        """The message of ``check_step``'s finding (spec §2.8, in check order)."""
+        """The message of ``check_step``'s finding (spec/slot-cache.md §2.8, in check order)."""
         if code == STEP_CU0:
             raise ValueError(f"{api}: cu_seqlens_q[0]={cu[0]}, must be 0")
         if code == STEP_NOT_INCREASING:
@@ -642,7 +644,7 @@ class KVCache:
         if code in (STEP_SLOT_RANGE, STEP_SLOT_DUP):
             self._raise_slot(api, code, slots, i, j)
         if code == STEP_PAST_MISMATCH:
-            # Spec §2.8: strict past_len keeps shared blocks out of every write set.
+            # spec/slot-cache.md §2.8: strict past_len keeps shared blocks out of every write set.
             s = int(slots[i])
             raise ValueError(f"{api}: past_len[{i}]={past[i]} but seq_lens()[slot {s}]={int(self._seq[s])}")
         if code == STEP_TOTAL:
@@ -689,7 +691,7 @@ class KVCache:
         L = self._config.max_seq_len
         before = self._seq[slots].astype(np.int64)
         for i, (s, b, n) in enumerate(zip(slots.tolist(), before.tolist(), n_new.tolist())):
-            # Spec §2.9: compared as n > L - seq (0 <= seq <= L), so an n near 2**63 cannot wrap.
+            # spec/slot-cache.md §2.9: compared as n > L - seq (0 <= seq <= L), so an n near 2**63 cannot wrap.
             if n > L - b:
                 raise CapacityError(f"{api}: seq_lens()[slot {s}]+n_new_per_seq[{i}]={b}+{n}={b + n} > max_seq_len={L}")
         after = before + n_new
@@ -706,7 +708,7 @@ class KVCache:
     def _on_evict(self, h: bytes) -> None:
         """BlockPool listener: a published block was evicted; its chain link and checkpoint go."""
         self._parents.pop(h, None)
-        # Spec §4.4: a checkpoint lives only while the block that ends at its boundary is hittable.
+        # spec/slot-cache.md §4.4: a checkpoint lives only while the block that ends at its boundary is hittable.
         self._checkpoints.pop(h, None)
 
     def _chain(self, tokens: np.ndarray, n_blocks: int) -> list[bytes]:
@@ -760,7 +762,7 @@ class KVCache:
         if self._seq[b] != 0 or self._nblk[b] != 0:
             raise ValueError(f"{api}: batch_idx={b} holds seq_len={int(self._seq[b])} and {int(self._nblk[b])} blocks, must be empty")
         P = self._config.block_size
-        # Spec §4.1: at least one token must be computed for logits, so the default cap is len-1.
+        # spec/slot-cache.md §4.1: at least one token must be computed for logits, so the default cap is len-1.
         limit = tokens.shape[0] - 1 if addr == -1 else min(addr, tokens.shape[0])
         hits: list[int] = []
         hashes: list[bytes] = []
@@ -773,7 +775,7 @@ class KVCache:
                 hits.append(blk)
         checkpoint = None
         if self._has_state:
-            # Spec §4.3: a hybrid hit is valid only where a state checkpoint exists.
+            # spec/slot-cache.md §4.3: a hybrid hit is valid only where a state checkpoint exists.
             k = len(hits)
             while k > 0 and hashes[k - 1] not in self._checkpoints:
                 k -= 1
@@ -855,7 +857,7 @@ class KVCache:
         P = self._config.block_size
         n_pub = a // P if self._config.enable_prefix_caching else 0
         for col in range(min(int(self._nshared[b]), n_pub)):
-            # Spec §2.11: the adopted prefix is fixed; tokens that contradict it would publish a false chain.
+            # spec/slot-cache.md §2.11: the adopted prefix is fixed; tokens that contradict it would publish a false chain.
             stored = self._pool.block_tokens[int(self._table[b, col])]
             mine = tokens[col * P : (col + 1) * P]
             diff = np.flatnonzero(stored != mine)
@@ -864,11 +866,11 @@ class KVCache:
                 raise ValueError(f"{api}: full_token_ids[{j}]={mine[diff[0]]} but adopted block {col} holds {stored[diff[0]]}")
         hashes = self._chain(tokens, n_pub)
         # ---- commit (nothing below can fail)
-        parent = root_hash(self._config.hash_seed)  # Spec §4: the slot cache's chain has no salt
+        parent = root_hash(self._config.hash_seed)  # spec/slot-cache.md §4: the slot cache's chain has no salt
         for col, h in enumerate(hashes):
             blk = int(self._table[b, col])
             canonical = self._pool.publish(blk, h, tokens[col * P : (col + 1) * P])
-            # Spec §4.2: a twin keeps the existing copy; ours stays unpublished and is freed to the front.
+            # spec/slot-cache.md §4.2: a twin keeps the existing copy; ours stays unpublished and is freed to the front.
             if canonical == blk and self._pool.block_hash[blk] == h:
                 self._parents[h] = parent
             parent = h
@@ -879,7 +881,7 @@ class KVCache:
                 self._checkpoints[key] = [slab[b].copy() for slab in self._state_slabs()]
                 self._checkpoints.move_to_end(key)
                 while len(self._checkpoints) > ncp:
-                    # Spec §4.3: least recently used checkpoint dropped first.
+                    # spec/slot-cache.md §4.3: least recently used checkpoint dropped first.
                     self._checkpoints.popitem(last=False)
         self._release(b)
 
@@ -945,7 +947,7 @@ class KVCache:
         )
         for h in self._checkpoints:
             assert h in pool.hash_to_block, f"{p}: state checkpoint {h.hex()[:12]} has no published block"
-        for s, blocks in self._write_sets.items():  # the engine's tracker (spec §6.7)
+        for s, blocks in self._write_sets.items():  # the engine's tracker (spec/slot-cache.md §6.7)
             shared = {int(x) for x in self._table[s, : int(self._nshared[s])]}
             for blk in blocks:
                 assert blk not in shared and not pool.is_published(blk) and pool.ref_count[blk] == 1, (

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvspec import KVCacheMode, LayerKind, StepIndices
+from kvspec._interop import host_array
 
 from ._slot_cache import KVCache, _check_index
 
@@ -52,7 +53,7 @@ def _check_heads(api: str, name: str, arr, T: int, heads: int, dim: int, *, mult
     the dtype check.
     """
     if not (isinstance(arr, np.ndarray) or hasattr(arr, "__cuda_array_interface__")):
-        arr = np.asarray(arr)
+        arr = host_array(arr)  # torch tensors too, bfloat16 included (kvspec._interop)
     if arr.dtype.kind != "f" and arr.dtype.name != "bfloat16" and arr.dtype != storage_dtype:
         raise TypeError(f"{api}: {name} dtype={arr.dtype}, must be a floating type")
     if arr.ndim != 3:
@@ -112,7 +113,7 @@ def append_kv(cache, layer: int, k, v, step: StepIndices) -> None:
     if sm.shape != (T,):
         raise ValueError(f"{api}: step.slot_mapping.shape={sm.shape} != ({T},)")
     bad = engine.scatter_kv(K, V, k, v, sm)
-    if bad >= 0:  # spec §7.1: nothing was written
+    if bad >= 0:  # spec/slot-cache.md §7.1: nothing was written
         raise IndexError(f"{api}: step.slot_mapping[{bad}]={int(sm[bad])} out of range [0, {K.shape[0] * K.shape[1]})")
 
 
@@ -150,7 +151,7 @@ def gather_kv(cache, layer: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
     n = int(cache._seq[slot])
     if cache.mode() is KVCacheMode.CONTIGUOUS:
         return cache.engine.gather_kv(K, V, slot, n, None, 0)
-    # Spec §7.2: paged positions are read through the slot's current table row.
+    # spec/slot-cache.md §7.2: paged positions are read through the slot's current table row.
     return cache.engine.gather_kv(K, V, slot, n, cache._table[slot], cache.config.block_size)
 
 
@@ -203,7 +204,7 @@ def varlen_attention(q, cache, layer: int, step: StepIndices, scale: float | Non
         raise TypeError(f"{api}: scale={scale!r}, must be a float or None")
     engine = cache.engine
     if spec.kind is LayerKind.CROSS_ATTENTION:
-        # Spec §7.3: a cross row reads all of its slot's encoder keys; none is an error.
+        # spec/slot-cache.md §7.3: a cross row reads all of its slot's encoder keys; none is an error.
         empty = np.flatnonzero(engine.to_host(step.cross_seqused_k) == 0)
         if empty.size:
             b = int(empty[0])

@@ -98,6 +98,8 @@ def _outcome(fn):
     return ("ok", None if out is None else np.asarray(out).tolist())
 
 
+_NO_KV = np.zeros((0, 1, 2), np.float32)  # the K/V (or q) of an empty step
+
 # One entry per public call taking integers: (name, modes, builder(values) -> call(cache, ops)).
 CALLS = {
     "keys": lambda a, b, c: (lambda x, ops: x.keys(a)),
@@ -118,6 +120,9 @@ CALLS = {
     "retire": lambda a, b, c: (lambda x, ops: x.retire(a, list(range(9)), b)),
     "retire-tokens": lambda a, b, c: (lambda x, ops: x.retire(1, [a, b, c], -1)),
     "gather_kv": lambda a, b, c: (lambda x, ops: ops.gather_kv(x, a, b)),
+    "append_kv": lambda a, b, c: (lambda x, ops: ops.append_kv(x, a, _NO_KV, _NO_KV, x.prepare_step([0], [], []))),
+    "varlen_attention": lambda a, b, c: (
+        lambda x, ops: ops.varlen_attention(_NO_KV, x, a, x.prepare_step([0], [], []))),
 }
 
 
