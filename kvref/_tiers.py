@@ -258,6 +258,14 @@ class TieredConnector:
     def attach(self, stores: Sequence[PageStore | np.ndarray], params: KVCacheParams, *, owner: object = None) -> None:
         """Bind the device pages and fix the block geometry and model; open the tiers.
 
+        The host arena comes from ``stores[0].alloc_host(host_bytes // page_bytes)``
+        (none in bookkeeping-only mode) and the disk directory is opened: its
+        ``kvcache-disk.json`` is created, or checked against this geometry,
+        model and hash algorithm, and existing block files are re-indexed
+        (warm start). Attaching again (same owner, or after ``detach``) with
+        the same geometry, model and algorithm re-binds the stores and keeps
+        the tiers.
+
         Parameters
         ----------
         stores : sequence of PageStore or ndarray [num_blocks, 2, num_layers, page_size, kv_heads, head_dim]
@@ -273,14 +281,6 @@ class TieredConnector:
             Who attaches (the manager). A second attach is accepted only from
             the same owner (or, without ``owner``, over the same stores) until
             ``detach``; a collected owner frees the connector.
-
-        The host arena comes from ``stores[0].alloc_host(host_bytes // page_bytes)``
-        (none in bookkeeping-only mode) and the disk directory is opened: its
-        ``kvcache-disk.json`` is created, or checked against this geometry,
-        model and hash algorithm, and existing block files are re-indexed
-        (warm start). Attaching again (same owner, or after ``detach``) with
-        the same geometry, model and algorithm re-binds the stores and keeps
-        the tiers.
 
         Raises
         ------
