@@ -348,7 +348,7 @@ def test_suite_and_spec_version_options():
 def _repro_of(proc) -> str:
     marker = "---- reproduction: paste into repro.py and run `python repro.py` ----\n"
     assert marker in proc.stdout, _tail(proc, 80)
-    return proc.stdout.split(marker, 1)[1].split("\n=====", 1)[0]
+    return proc.stdout.split(marker, 1)[1].split("---- end of reproduction ----", 1)[0]
 
 
 @pytest.mark.parametrize("module,select", [

@@ -42,9 +42,26 @@ def test_site_builds_in_strict_mode(tmp_path):
     r = mkdocs_build(os.path.join(ROOT, "mkdocs.yml"), str(site))
     assert r.returncode == 0, r.stdout + r.stderr
     pages = ("index.html", "quickstart/index.html", "replay/index.html", "performance/index.html",
-             "spec/index.html", "spec/manager/index.html")  # spec/README.md renders as spec/index.html
+             "spec/index.html", "spec/manager/index.html",  # spec/README.md renders as spec/index.html
+             "benchmarks/index.html", "api/kvspec/index.html", "api/kvref/index.html", "api/kvfast/index.html",
+             "api/kvcache/index.html")
     for page in pages:
         assert (site / page).is_file(), page
+    # the API pages render every public name from its docstring (mkdocstrings, NumPy style)
+    sys.path.insert(0, DOCS + "/_hooks")
+    try:
+        import api_pages
+    finally:
+        sys.path.pop(0)
+    for path, (_, packages, _) in api_pages.PAGES.items():
+        html = (site / path.replace(".md", "/index.html")).read_text(encoding="utf-8")
+        for package in packages:
+            for name in api_pages.public_names(package):
+                assert f'id="{api_pages.object_path(package, name)}"' in html, f"{path}: {package}.{name} not rendered"
+    api = (site / "api" / "kvspec" / "index.html").read_text(encoding="utf-8")
+    assert "Sizes and options of a slot cache" in api  # KVCacheConfig's docstring, rendered
+    history = (site / "benchmarks" / "index.html").read_text(encoding="utf-8")
+    assert "asv run --python=same --quick" in history and "kvcache-ref-2core" in history
 
 
 def test_a_broken_link_fails_the_build(tmp_path):
@@ -70,10 +87,96 @@ def test_readme_first_commands():
     assert "`kvcache/replay.py`" in read("README.md")
 
 
+def _extra(name: str) -> str:
+    return re.search(rf"^{name} = \[(.*?)\]$", read("pyproject.toml"), flags=re.M | re.S).group(1)
+
+
 def test_pyproject_test_extra_builds_the_docs():
-    text = read("pyproject.toml")
-    test_extra = re.search(r"^test = \[(.*?)\]", text, flags=re.M | re.S).group(1)
-    assert "mkdocs" in test_extra and "mkdocs-material" in test_extra
+    for extra in ("test", "docs"):
+        text = _extra(extra)
+        assert "mkdocs" in text and "mkdocs-material" in text and "mkdocstrings[python]" in text, extra
+
+
+def test_conformance_extra_is_only_pytest_and_hypothesis():
+    """A backend author's install: no docs tooling, Redis client or CUDA wheel."""
+    names = sorted(re.match(r"[A-Za-z0-9_.-]+", x.strip().strip('"')).group(0)
+                   for x in _extra("conformance").split(",") if x.strip())
+    assert names == ["hypothesis", "pytest"], names
+
+
+def _undocumented() -> tuple[int, list[str]]:
+    """Public names (``__all__`` of each package, and the public methods and
+    properties of its classes) with no docstring. A method counts as documented
+    when its docstring is inherited, when the class docstring lists it
+    (``name : type``), or when it implements a documented method of a public
+    ``Protocol`` (the contract is there). Dataclass fields are data, rendered
+    with their type and default; state-machine rules are test steps."""
+    import dataclasses
+    import enum
+    import importlib
+    import inspect
+
+    from hypothesis.stateful import RuleBasedStateMachine
+
+    def listed(name, doc):
+        return re.search(rf"^\s*(\w+, )*{re.escape(name)}(, \w+)* :", doc, re.M) is not None
+
+    objs = []
+    for mod in ("kvspec", "kvspec.hashing", "kvspec.engine", "kvspec.conformance", "kvref", "kvref.ops",
+                "kvfast", "kvfast.ops", "kvcache"):
+        m = importlib.import_module(mod)
+        for n in m.__all__:
+            o = getattr(m, n)
+            if not inspect.ismodule(o) and (inspect.isclass(o) or callable(o)):
+                objs.append((f"{mod}.{n}", o))
+    protocols = [o for _, o in objs if inspect.isclass(o) and getattr(o, "_is_protocol", False)]
+    missing, seen, total = [], set(), 0
+    for qual, o in objs:
+        total += 1
+        if not inspect.getdoc(o):
+            missing.append(qual)
+        if not inspect.isclass(o) or id(o) in seen:
+            continue
+        seen.add(id(o))
+        doc = inspect.getdoc(o) or ""
+        fields = {f.name for f in dataclasses.fields(o)} if dataclasses.is_dataclass(o) else set()
+        impl = [p for p in protocols if p is not o and all(hasattr(o, a) for a in vars(p) if not a.startswith("_"))]
+        for a, v in vars(o).items():
+            if a.startswith("_") or a in fields or (isinstance(o, enum.EnumMeta) and not callable(v)):
+                continue
+            if issubclass(o, RuleBasedStateMachine) and a != "for_backend":
+                continue
+            if isinstance(v, (staticmethod, classmethod)):
+                v = v.__func__
+            if not (callable(v) or isinstance(v, property)):
+                continue
+            total += 1
+            own = inspect.getdoc(v) if isinstance(v, property) else inspect.getdoc(getattr(o, a))
+            if own or listed(a, doc) or any(inspect.getdoc(getattr(p, a)) for p in impl if hasattr(p, a)):
+                continue
+            missing.append(f"{qual}.{a}")
+    return total, missing
+
+
+def test_every_public_name_has_a_docstring():
+    total, missing = _undocumented()
+    assert total > 300, total  # the walk really covers the API
+    assert not missing, f"{len(missing)} of {total} public names have no docstring: {missing}"
+
+
+#: Documents a reader of the repository cannot open (the design brief and the
+#: background notes live outside it).
+_OUTSIDE = re.compile(r"DESIGN(\.md| §)|/work/shared|shared/reference|reference/[a-z-]+\.md")
+
+
+def test_docs_cite_nothing_outside_the_repository():
+    pages = [os.path.join("docs", p) for p in os.listdir(DOCS) if p.endswith(".md")]
+    pages += [os.path.join("spec", p) for p in ("conformance.md", "vectors.md")]
+    pages += ["README.md", os.path.join("examples", "vector_replay", "README.md")]
+    pages += [os.path.join("spec", "kvspec", "conformance", p) for p in ("plugin.py", "_backend.py", "_compare.py",
+                                                                          "_harness.py", "__init__.py")]
+    bad = {p: _OUTSIDE.findall(read(p)) for p in pages if _OUTSIDE.search(read(p))}
+    assert not bad, bad
 
 
 def _replay_options() -> list[str]:

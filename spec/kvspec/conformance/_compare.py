@@ -31,6 +31,15 @@ def to_numpy(x) -> np.ndarray:
     return np.asarray(x)
 
 
+def to_device(x):
+    """``cupy.asarray`` of host data for a CUDA backend's buffers; bfloat16 travels as its
+    uint16 bit patterns (CuPy has no bfloat16; spec/types.md)."""
+    import cupy
+
+    x = np.asarray(x)
+    return cupy.asarray(x.view(np.uint16) if x.dtype.name == "bfloat16" else x)
+
+
 def data_ptr(x) -> int:
     """Address of the first element of an array (NumPy or CuPy): buffer identity."""
     if isinstance(x, np.ndarray):
@@ -87,7 +96,7 @@ def _assert_same(ref: Any, got: Any, where: str) -> None:
             raise AssertionError(f"{where}: kvref gave {type(ref).__name__}, backend gave {type(got).__name__}")
         a, b = to_numpy(ref), to_numpy(got)
         if a.dtype.name == "bfloat16" and b.dtype == np.uint16:
-            b = b.view(a.dtype)  # DESIGN §3: CuPy has no bfloat16; a CUDA backend hands out its uint16 bit patterns
+            b = b.view(a.dtype)  # spec/types.md: CuPy has no bfloat16; a CUDA backend hands out its uint16 bit patterns
         if a.dtype != b.dtype:
             raise AssertionError(f"{where}: dtype={b.dtype}, kvref has {a.dtype}")
         if a.shape != b.shape:

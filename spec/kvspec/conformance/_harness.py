@@ -328,15 +328,22 @@ class _ManualTransfer:
 
 
 def to_numpy_page(buffer, block: int) -> np.ndarray:
+    from .._page_store import PageStore
     from ._compare import to_numpy
 
+    if isinstance(buffer, PageStore) and not hasattr(buffer, "__getitem__"):  # the manager attaches page stores
+        return np.array(buffer.read([block])[0])
     return to_numpy(buffer[block]).copy()
 
 
 def _assign_page(buffer, block: int, page: np.ndarray) -> None:
-    if isinstance(buffer, np.ndarray):
+    from .._page_store import PageStore
+
+    if isinstance(buffer, PageStore) and not hasattr(buffer, "__getitem__"):  # uint8 [page_nbytes]
+        buffer.write([block], page[None])
+    elif isinstance(buffer, np.ndarray):
         buffer[block] = page
     else:  # pragma: no cover - GPU arrays
-        import cupy
+        from ._compare import to_device
 
-        buffer[block] = cupy.asarray(page)
+        buffer[block] = to_device(page)

@@ -23,7 +23,7 @@ Options
 ``--kv-max-examples=N``
     Hypothesis examples per state machine (overrides ``--kv-quick``'s 10 and the default 40).
 ``--kv-shrink-seconds=S``
-    Time the shrinker may spend on a failure (default 10): the first report
+    Time the shrinker may spend on a failure (default 5): the first report
     comes after at most the search time plus S. A warning is printed when a
     failure is found and shrinking starts.
 ``--kv-no-shrink``
@@ -46,6 +46,7 @@ from __future__ import annotations
 import builtins
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -63,7 +64,7 @@ SPEC_VERSIONS = ("1.0",)
 SPEC_VERSION = SPEC_VERSIONS[-1]
 
 #: Default ``--kv-shrink-seconds``.
-SHRINK_SECONDS = 10.0
+SHRINK_SECONDS = 5.0
 
 ENV_XFAIL = "KVCACHE_XFAIL"
 ENV_SKIPS = "KVCACHE_SKIPS"
@@ -250,6 +251,7 @@ def _install_shrink_warning(item) -> None:
     capman = config.pluginmanager.get_plugin("capturemanager")
     no_shrink = config.getoption("--kv-no-shrink")
     budget = config.getoption("--kv-shrink-seconds")
+    start = time.perf_counter()
 
     def warn(message: str) -> None:
         if tr is None:
@@ -257,7 +259,8 @@ def _install_shrink_warning(item) -> None:
         what = "reporting it unshrunk (--kv-no-shrink)" if no_shrink else (
             f"shrinking it for up to {budget:g} s (--kv-shrink-seconds=S, or --kv-no-shrink)")
         first = (message.splitlines() or ["?"])[0][:160]
-        line = f"kvcache: {kv_test_id(item)} found a failure ({first}); {what}"
+        took = time.perf_counter() - start
+        line = f"kvcache: {kv_test_id(item)} found a failure after {took:.1f} s ({first}); {what}"
         if capman is not None:
             with capman.global_and_fixture_disabled():
                 tr.write_line(line, yellow=True)
@@ -304,7 +307,8 @@ def pytest_runtest_makereport(item, call):
     rep.sections = [(title, _SHRINK_NOTE.sub(f"(shrinking stopped at the {budget:g} s budget, --kv-shrink-seconds)\n", body))
                     for title, body in rep.sections]
     rep.longrepr = (f"{message}\n  (raised at {where})\n\n"
-                    f"---- reproduction: paste into repro.py and run `python repro.py` ----\n{repro}")
+                    f"---- reproduction: paste into repro.py and run `python repro.py` ----\n{repro}"
+                    f"---- end of reproduction ----")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
