@@ -271,6 +271,7 @@ class ReplayConfig:
         return (self.blocks_per_replica() - 1) * self.page_size * self.replicas
 
     def inflight_limit(self) -> int:
+        """Requests admitted at once: ``max_inflight``, else ``max_batch_size * replicas``."""
         return self.max_inflight if self.max_inflight is not None else self.max_batch_size * self.replicas
 
 
@@ -411,6 +412,7 @@ class ReplayStats:
 
     @property
     def hit_tokens(self) -> int:
+        """Prompt tokens served from a cache: ``device_hit_tokens + external_hit_tokens``."""
         return self.device_hit_tokens + self.external_hit_tokens
 
     def _rate(self, n: int) -> float:
@@ -423,10 +425,12 @@ class ReplayStats:
 
     @property
     def device_hit_rate(self) -> float:
+        """``device_hit_tokens / prompt_tokens`` (0.0 without prompt tokens)."""
         return self._rate(self.device_hit_tokens)
 
     @property
     def external_hit_rate(self) -> float:
+        """``external_hit_tokens / prompt_tokens`` (0.0 without prompt tokens)."""
         return self._rate(self.external_hit_tokens)
 
     @property
@@ -441,6 +445,7 @@ class ReplayStats:
 
     @property
     def bookkeeping_us_mean(self) -> float:
+        """Mean bookkeeping time per scheduler step, in microseconds."""
         return 1e6 * self.bookkeeping_s_total / self.steps if self.steps else 0.0
 
     def as_dict(self) -> dict:

@@ -86,10 +86,12 @@ class Request:
 
     @property
     def prompt_length(self) -> int:
+        """Tokens in ``prompt``."""
         return int(self.prompt.size)
 
     @property
     def output_length(self) -> int:
+        """Tokens in ``output`` (the tokens the replay decodes)."""
         return int(self.output.size)
 
     @property

@@ -103,9 +103,11 @@ class BlockPool:
         return list(self._free)
 
     def is_free(self, block: int) -> bool:
+        """True when ``block`` is on the free list (free, or published with no reference)."""
         return block in self._free
 
     def is_published(self, block: int) -> bool:
+        """True when ``block`` is in the prefix index (it has a hash)."""
         return self.block_hash[block] is not None
 
     def lookup(self, block_hash: bytes, tokens) -> int | None:
@@ -122,6 +124,7 @@ class BlockPool:
         return block
 
     def contains_hash(self, block_hash: bytes) -> bool:
+        """True when a published block holds ``block_hash`` (its tokens not checked)."""
         return block_hash in self.hash_to_block
 
     # ------------------------------------------------------------------ mutations

@@ -225,12 +225,15 @@ class KVCacheConfig:
 
     @property
     def resolved_num_state_checkpoints(self) -> int:
+        """``num_state_checkpoints``, or ``max_seqs`` when it is None."""
         return self.max_seqs if self.num_state_checkpoints is None else self.num_state_checkpoints
 
     @property
     def np_dtype(self):
+        """The NumPy dtype of K/V storage (``dtype`` resolved; bfloat16 from ml_dtypes)."""
         return resolve_dtype("KVCacheConfig", "dtype", self.dtype, KV_DTYPES)
 
     @property
     def np_state_dtype(self):
+        """The NumPy dtype of the state slabs (``state_dtype`` resolved)."""
         return resolve_dtype("KVCacheConfig", "state_dtype", self.state_dtype, STATE_DTYPES)

@@ -77,11 +77,9 @@ class KVConnector(Protocol):
         """Wait for every transfer and close the tiers; stored files stay."""
 
     def host_byte_count(self) -> ByteCount:
-
         """Bytes of the host tier, ``ByteCount(free, total)`` (``(0, 0)`` without one)."""
 
     def disk_byte_count(self) -> ByteCount:
-
         """Bytes of the disk tier, ``ByteCount(free, total)`` (``(0, 0)`` without one)."""
 
     @property

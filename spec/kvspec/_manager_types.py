@@ -70,14 +70,17 @@ class LeafSpec:
 
     @classmethod
     def full(cls) -> "LeafSpec":
+        """A full-attention leaf: every token's K/V kept."""
         return cls(LeafKind.FULL)
 
     @classmethod
     def sliding_window(cls, window: int) -> "LeafSpec":
+        """A sliding-window leaf that keeps the last ``window`` keys (``window >= 2``, counting the current token)."""
         return cls(LeafKind.SLIDING_WINDOW, window=check_int("LeafSpec.sliding_window", "window", window, low=2))
 
     @classmethod
     def recurrent(cls, state_shape, dtype: str = "float32") -> "LeafSpec":
+        """A recurrent-state leaf: one page holds one state checkpoint of ``state_shape`` in ``dtype``."""
         o = "LeafSpec.recurrent"
         if not hasattr(state_shape, "__iter__"):
             raise TypeError(f"{o}: state_shape={state_shape!r}, must be a tuple of ints")
@@ -221,6 +224,7 @@ class KVCacheParams:
 
     @property
     def np_dtype(self) -> np.dtype:
+        """The NumPy dtype of the pages (``dtype`` resolved; bfloat16 from ml_dtypes)."""
         return KV_DTYPES[self._dtype]
 
     @property
@@ -315,14 +319,17 @@ class TextContext:
 
     @property
     def processed_length(self) -> int:
+        """Tokens whose K/V are in the cache (the prefix hit counts)."""
         return self._processed
 
     @property
     def active_length(self) -> int:
+        """Tokens the next forward computes, right after ``processed_length``."""
         return self._active
 
     @property
     def current_position(self) -> int:
+        """``processed_length + active_length``: where the next forward ends."""
         return self._processed + self._active
 
     @property
@@ -332,6 +339,7 @@ class TextContext:
 
     @property
     def active_tokens(self) -> np.ndarray:
+        """int32 ``[active_length]``: the tokens of the active region (a view of ``tokens``)."""
         return self.tokens[self._processed : self.current_position]
 
     def __len__(self) -> int:
@@ -453,6 +461,7 @@ class PrefixCacheHits:
 
     @property
     def total_blocks(self) -> int:
+        """``device_blocks + external_blocks``."""
         return self.device_blocks + self.external_blocks
 
 
@@ -484,10 +493,12 @@ class KVCacheMetrics:
 
     @property
     def prompt_tokens(self) -> int:
+        """``input_tokens + cache_tokens``: every prompt token seen."""
         return self.input_tokens + self.cache_tokens
 
     @property
     def cache_hit_rate(self) -> float:
+        """``cache_tokens / prompt_tokens`` (0.0 when no prompt token was seen)."""
         p = self.prompt_tokens
         return self.cache_tokens / p if p else 0.0
 
@@ -499,9 +510,11 @@ class KVCacheMetrics:
         )
 
     def copy(self) -> "KVCacheMetrics":
+        """An independent copy of the counters."""
         return dataclasses.replace(self)
 
     def as_dict(self) -> dict[str, int | float]:
+        """Every counter plus ``prompt_tokens`` and ``cache_hit_rate``, as a JSON-ready dict."""
         d = dataclasses.asdict(self)
         d["prompt_tokens"] = self.prompt_tokens
         d["cache_hit_rate"] = self.cache_hit_rate
@@ -565,9 +578,11 @@ class KVTransfer(Protocol):
     raises ``KVLoadFailed`` if it failed).
     """
 
-    def is_complete(self) -> bool: ...
+    def is_complete(self) -> bool:
+        """True once the transfer landed; never blocks; raises ``KVLoadFailed`` if it failed."""
 
-    def synchronize(self) -> None: ...
+    def synchronize(self) -> None:
+        """Block until the transfer lands; raises ``KVLoadFailed`` if it failed."""
 
 
 class CompletedTransfer:
