@@ -12,6 +12,7 @@ from typing import Callable
 import numpy as np
 
 from kvspec import LayerKind, StepIndices
+from kvspec._interop import host_array
 from kvspec.engine import (
     STEP_CAPACITY, STEP_CU0, STEP_NOT_INCREASING, STEP_OK, STEP_PAST_MISMATCH, STEP_SLOT_DUP, STEP_SLOT_RANGE,
     STEP_TOTAL, StepCheck,
@@ -206,7 +207,8 @@ class ReferenceSlotEngine:
     # ------------------------------------------------------------------ copy kernels (ops)
 
     def kv_input(self, api: str, name: str, x, storage_dtype, logical_dtype: str):
-        return x if isinstance(x, np.ndarray) else np.asarray(x)
+        # torch tensors (bfloat16 included) through DLPack, without a copy (kvspec._interop).
+        return x if isinstance(x, np.ndarray) else host_array(x)
 
     def scatter_kv(self, K, V, k, v, slot_mapping) -> int:
         rows = K.shape[0] * K.shape[1]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvspec._interop import host_array, is_torch_bfloat16
+
 from ._module import cupy
 
 __all__ = ["float_to_bf16_bits", "to_device_storage", "shape_proxy", "rows_contiguous", "storage_float32",
@@ -87,13 +89,21 @@ def _host_to_device(api: str, name: str, x, bf16: bool):
     """``(cupy.asarray of a host input, whether it holds bfloat16 bits)`` (lists, NumPy
     arrays, DLPack/``__array__`` objects)."""
     cp = cupy()
+    if is_torch_bfloat16(x):  # neither NumPy nor CuPy has bfloat16: its 16-bit words, through DLPack
+        import torch
+
+        t = x.detach()
+        if t.device.type == "cuda":  # pragma: no cover - needs a GPU
+            words = cp.from_dlpack(t.view(torch.int16)).view(cp.uint16)
+            return (words, True) if bf16 else (storage_float32(words), False)
+        x = host_array(t)
     if hasattr(x, "__cuda_array_interface__") or (hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray)):
         try:
             return cp.asarray(x), False
         except (TypeError, ValueError):
             pass  # a CPU DLPack producer (e.g. a CPU torch tensor): through the host below
     try:
-        host = np.asarray(x)
+        host = host_array(x)
     except (TypeError, ValueError) as e:
         raise TypeError(f"{api}: {name} is {type(x).__name__}, not convertible to an array ({e})") from None
     if host.dtype.name == "bfloat16":  # CuPy has no bfloat16: its bits, or widened exactly to float32

@@ -515,6 +515,8 @@ def asarray(a, dtype=None, order=None, *, blocking=False):
     if hasattr(a, "__cuda_array_interface__") and not isinstance(a, np.ndarray):
         raise TypeError(f"kvfast emulation: cannot import {type(a).__name__} (__cuda_array_interface__ of a "
                         "real device)")
+    if not isinstance(a, (np.ndarray, list, tuple, int, float, complex, np.generic)):
+        a = np.asarray(a)  # other producers (__array__, torch CPU tensors) through NumPy first
     host = np.array(a, dtype=dtype, order="C" if order in (None, "K", "A") else order, copy=True)
     _check_dtype(host.dtype)
     return ndarray._of(host)
