@@ -20,19 +20,13 @@ What changes is the cost:
 from __future__ import annotations
 
 import hashlib
-import itertools
-import sys
 
 import numpy as np
 
-from kvref import _manager as _ref
-from kvref._block_pool import NULL_BLOCK
-from kvspec import hashing
-from kvspec._config import check_int, parse_device
+import kvref
+from kvspec._config import parse_device
 from kvspec._manager_types import (
     CompletedTransfer,
-    KVCacheInputs,
-    KVCacheInputsPerDevice,
     KVCacheParams,
     KVTransfer,
     LeafKind,
@@ -40,8 +34,7 @@ from kvspec._manager_types import (
 )
 from kvspec.errors import InsufficientBlocksError
 
-from ._block_pool import BlockPool
-from ._numba import sha as _sha
+from ._manager_engine import CudaManagerEngine, FastManagerEngine, hash_input_is_native
 from ._slot_cache import require_cuda
 
 __all__ = ["PagedKVCacheManager"]
@@ -49,37 +42,11 @@ __all__ = ["PagedKVCacheManager"]
 #: ``alloc``'s result when nothing is in flight (immutable, shared).
 _DONE = CompletedTransfer()
 
-#: Token ids are stored as native int32: on a little-endian machine their bytes are the hash input.
-_NATIVE_LE = sys.byteorder == "little"
-
-def _hash_input_is_native() -> bool:
-    """Whether ``kvspec.hashing.tokens_to_bytes`` is the real one (the conformance collision
-    hook swaps it, possibly before this module is first imported: compare by name, never by
-    a reference captured at import)."""
-    f = hashing.tokens_to_bytes
-    return _NATIVE_LE and getattr(f, "__module__", None) == "kvspec.hashing" and \
-        getattr(f, "__qualname__", None) == "tokens_to_bytes"
-
-
 def _sha256_digest(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-def _chain(parent: bytes, data: bytes, step: int, n: int, hash_algo: str) -> list[bytes]:
-    """``n`` chained block hashes over ``data`` (``step`` bytes per block), DESIGN §6."""
-    if hash_algo == "sha256":
-        return _sha.chain_sha256(parent, data, step, n)
-    import xxhash
-
-    h = xxhash.xxh3_128_digest
-    out = []
-    for i in range(n):
-        parent = h(parent + data[i * step : (i + 1) * step])
-        out.append(parent)
-    return out
-
-
-class PagedKVCacheManager(_ref.PagedKVCacheManager):
+class PagedKVCacheManager(kvref.PagedKVCacheManager):
     """Request-level paged KV cache with prefix caching, replicas and tiers; the fast path.
 
     Same constructor, methods, results and errors as
@@ -110,23 +77,12 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
 
     def __init__(self, params: KVCacheParams, *, num_blocks: int, max_batch_size: int, max_seq_len: int,
                  device: str = "cpu", connector=None):
-        o = "PagedKVCacheManager"
-        kind, dev = parse_device(o, device) if isinstance(params, KVCacheParams) else ("cpu", 0)
-        if kind == "cuda":
-            if isinstance(num_blocks, int):
-                check_int(o, "num_blocks", num_blocks, low=2)
-            require_cuda(o, dev)
-        self._cuda_dev = dev if kind == "cuda" else None  # read by _page_stores during the reference's __init__
         super().__init__(params, num_blocks=num_blocks, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                         device="cpu", connector=connector)
-        self._device = device
-        # Spec §4.2 / §5: same allocation order as the reference pools, O(1) per block.
-        self._pools = [{leaf.leaf_id: BlockPool(num_blocks) for leaf in self._leaves} for _ in range(self._dp)]
+                         device=device, connector=connector)
         self._fast = (
             len(self._leaves) == 1 and self._leaves[0].kind is LeafKind.FULL and self._dp == 1
             and not self._uses_connector
         )
-        self._page_bytes = 4 * self._page
         if params.hash_algo == "sha256":
             self._hash1 = _sha256_digest
         else:
@@ -134,46 +90,16 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
 
             self._hash1 = xxhash.xxh3_128_digest
 
-    def _page_stores(self) -> list:
-        """On CUDA: the buffers move to the device *before* the connector is attached, and a
-        ``TieredConnector`` gets a ``CudaPageStore`` per replica (stage.cu + pinned host memory,
-        pinned host arena), so the tiers read and write the device pages (they stored zeros when
-        attached to the host copies the device buffers were made from)."""
-        if self._cuda_dev is None:
-            return super()._page_stores()
-        from ._cuda._module import cupy
-        from ._cuda.page_store import CudaPageStore
-
-        cp = cupy()
-        with cp.cuda.Device(self._cuda_dev):
-            # CuPy has no bfloat16: such buffers live on the device as their uint16 bit patterns.
-            self._buffers = [{lid: cp.asarray(b.view(np.uint16) if b.dtype.name == "bfloat16" else b)
-                              for lid, b in bufs.items()} for bufs in self._buffers]
-            buffers = [self._buffers[r][self._conn_leaf] for r in range(self._dp)]
-        import kvref
-
-        if isinstance(self._connector, kvref.TieredConnector):
-            return [CudaPageStore(b) for b in buffers]
-        return buffers  # another KVConnector: the device buffers, as its protocol states
-
-    # ------------------------------------------------------------------ hashing
-
-    def _hashes_for(self, ctx: TextContext, have: list[bytes]) -> list[bytes]:
-        """Chained hashes of ctx's full blocks, never covering the last token (Spec §3.1);
-        only the blocks after ``have`` are hashed (one bytes buffer per block)."""
-        page = self._page
-        n = (len(ctx) - 1) // page
-        k = len(have)
-        if k >= n:
-            return have if k == n else list(have[:n])
-        parent = have[-1] if have else self._root(ctx.cache_salt)
-        toks = ctx._tokens[k * page : n * page]
-        algo = self._params.hash_algo
-        if algo == "sha256" and _sha.AVAILABLE and _hash_input_is_native():
-            # The native int32 tokens are the hash input's bytes: the kernel reads them in place.
-            return list(have) + _sha.chain_sha256(parent, toks, self._page_bytes, n - k)
-        data = hashing.tokens_to_bytes(toks)  # Spec §6: the hash input goes through the patchable function
-        return list(have) + _chain(parent, data, self._page_bytes, n - k, algo)
+    @classmethod
+    def make_engine(cls, params: KVCacheParams, device: str):
+        """:class:`FastManagerEngine` on ``"cpu"``; :class:`CudaManagerEngine` on ``"cuda[:N]"``
+        (``RuntimeError`` without CuPy or a visible device N)."""
+        o = "PagedKVCacheManager"
+        kind, dev = parse_device(o, device)
+        if kind == "cuda":
+            require_cuda(o, dev)
+            return CudaManagerEngine(dev)
+        return FastManagerEngine()
 
     # ------------------------------------------------------------------ fast paths
 
@@ -183,7 +109,7 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
             type(ctx) is TextContext and type(replica_idx) is int and replica_idx == 0 and self._fast
             and ctx.request_id not in self._requests and ctx._length <= self._max_seq_len
         ):
-            self._requests[ctx.request_id] = _ref._Request(ctx=ctx, replica=0, rows={self._conn_leaf: []})
+            self._requests[ctx.request_id] = self._new_request(ctx, 0)
             return
         super().claim(ctx, replica_idx)  # validates and raises, or claims
 
@@ -344,7 +270,7 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
         page = self._page
         toks = ctx._tokens[i * page : (i + 1) * page]  # native int32: the verified tokens
         # Spec §6: the hash input goes through kvspec.hashing.tokens_to_bytes (patchable in tests).
-        if _hash_input_is_native():
+        if hash_input_is_native():
             hin = toks.tobytes()
         else:
             hin = hashing.tokens_to_bytes(toks)
@@ -380,114 +306,8 @@ class PagedKVCacheManager(_ref.PagedKVCacheManager):
             # Spec §5.4: tail first, so a chain's tail is evicted before its head.
             self._pools[0][self._conn_leaf].free(np.fromiter(reversed(row), np.int64, len(row)))
 
-    def runtime_inputs(self, batches, *, max_cache_length: int | None = None):
-        """The paged-attention inputs of one forward (same contract, errors and order as the reference).
-
-        With one full or sliding-window leaf the lookup tables are built in
-        one vectorised scatter per replica (no per-block Python work).
-        """
-        if len(self._leaves) == 1 and not self._leaves[0].is_recurrent:
-            out = KVCacheInputs(tuple(self._lean_inputs("runtime_inputs", batches, max_cache_length)))
-        else:
-            out = super().runtime_inputs(batches, max_cache_length=max_cache_length)
-        if isinstance(self._device, str) and self._device.startswith("cuda"):  # pragma: no cover - needs a GPU
-            out = self._inputs_to_device(out)
-        return out
-
-    def _lean_inputs(self, op: str, batches, max_cache_length) -> list[KVCacheInputsPerDevice]:
-        """``runtime_inputs`` for a single non-recurrent leaf: the reference's checks in
-        the reference's order, then one scatter per replica into a zeroed table."""
-        page = self._page
-        lid = self._leaves[0].leaf_id
-        self._check_open(op)
-        if not isinstance(batches, (list, tuple)):
-            raise TypeError(f"{op}: batches={type(batches).__name__}, must be a list of lists of TextContext")
-        for r, batch in enumerate(batches):
-            if not isinstance(batch, (list, tuple)):
-                raise TypeError(f"{op}: batches[{r}]={type(batch).__name__}, must be a list of TextContext")
-            for i, c in enumerate(batch):
-                if not isinstance(c, TextContext):
-                    raise TypeError(f"{op}: batches[{r}][{i}]={c!r}, must be a TextContext")
-        if max_cache_length is not None and not _ref._is_int(max_cache_length):
-            raise TypeError(f"{op}: max_cache_length={max_cache_length!r}, must be an int or None")
-        # Spec §7.2 (1)
-        if len(batches) != self._dp:
-            raise ValueError(f"{op}: len(batches)={len(batches)} but data_parallel_degree={self._dp}; "
-                             "the number of batches must match the number of replicas")
-        # (3): one pass per context; rows and widths kept for the scatter
-        seen = set()
-        requests = self._requests
-        rows_per_batch = []
-        need = 0
-        for r, batch in enumerate(batches):
-            rows, widths = [], []
-            for i, c in enumerate(batch):
-                rid = c.request_id
-                req = requests.get(rid)
-                if req is None:
-                    raise ValueError(f"{op}: batches[{r}][{i}] request_id={rid!r} is not claimed; "
-                                     "claim and alloc must be called first")
-                if req.replica != r:
-                    raise ValueError(f"{op}: batches[{r}][{i}] request_id={rid!r} is claimed on "
-                                     f"replica {req.replica}, not {r}")
-                if rid in seen:
-                    raise ValueError(f"{op}: batches[{r}][{i}] request_id={rid!r} appears twice")
-                seen.add(rid)
-                row = req.rows[lid]
-                pos = c.current_position
-                if len(row) * page < pos:
-                    raise ValueError(
-                        f"{op}: batches[{r}][{i}] request_id={rid!r} holds {len(row)} blocks of leaf "
-                        f"{lid!r} ({len(row) * page} tokens) < current_position={pos}; "
-                        "it does not have sufficient blocks, alloc must be called first")
-                n = -(-pos // page)
-                rows.append(row)
-                widths.append(n)
-                if n > need:
-                    need = n
-            rows_per_batch.append((rows, widths))
-        cols = _ref.lut_columns(op, need, page, max_cache_length, batches, self._max_batch_size,
-                                self._max_seq_len)  # (4), (5)
-
-        self._post_offloads()  # Spec §9.2: queued offloads are posted before the forward
-        out = []
-        for r, batch in enumerate(batches):
-            rows, widths = rows_per_batch[r]
-            n = len(batch)
-            lut = np.zeros((n, cols), dtype=np.uint32)
-            if n:
-                w = np.asarray(widths, dtype=np.int64)
-                flat = np.fromiter(itertools.chain.from_iterable(
-                    row[:k] for row, k in zip(rows, widths)), dtype=np.uint32, count=int(w.sum()))
-                starts = np.repeat(np.cumsum(w) - w, w)
-                lut[np.repeat(np.arange(n), w), np.arange(flat.size) - starts] = flat
-            out.append(KVCacheInputsPerDevice(
-                kv_blocks=self._buffers[r][lid],
-                lookup_table=lut,
-                cache_lengths=np.fromiter((c.processed_length for c in batch), dtype=np.uint32, count=n),
-                max_prompt_length=max((c.active_length for c in batch), default=0),
-                max_cache_length=(int(max_cache_length) if max_cache_length is not None
-                                  else max((c.current_position for c in batch), default=0)),
-            ))
-        return out
-
     def shutdown(self) -> None:
         """Post queued offloads, wait for every transfer, close the connector (same contract as the
         reference); the fast lanes close with the manager (spec/manager.md §9.7)."""
         self._fast = False
         super().shutdown()
-
-    def _inputs_to_device(self, inputs):  # pragma: no cover - needs a GPU
-        import dataclasses
-
-        import cupy as cp
-
-        def move(p):
-            return dataclasses.replace(p, lookup_table=cp.asarray(p.lookup_table),
-                                       cache_lengths=cp.asarray(p.cache_lengths))
-
-        per = tuple({k: move(v) for k, v in x.items()} if isinstance(x, dict) else move(x) for x in inputs.inputs)
-        return dataclasses.replace(inputs, inputs=per)
-
-    # keep the reference's NULL_BLOCK visible for readers diffing the two modules
-    NULL_BLOCK = NULL_BLOCK

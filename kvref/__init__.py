@@ -28,6 +28,8 @@ _LAZY = {
     "ops": ".ops",
     "conformance_backend": "._backend",
     "ReferenceSlotEngine": "._slot_engine",
+    "ReferenceManagerEngine": "._manager_engine",
+    "BlockPool": "._block_pool",
 }
 
 __all__ = sorted(set(_spec_all) | set(_LAZY) | {"check_invariants"})

@@ -15,7 +15,8 @@ Allocation order (part of the spec, so block ids agree across backends):
 * ``allocate`` pops the front; popping a published block unpublishes it
   (eviction) and reports its hash to the ``on_evict`` listener.
 
-Every operation is O(1) per block: the free list is an ordered dict used as
+It satisfies ``kvspec.engine.BlockPool`` (the batch methods are plain loops
+over the per-block ones). Every operation is O(1) per block: the free list is an ordered dict used as
 an intrusive doubly linked list (``move_to_end(last=False)`` pushes to the
 front, ``popitem(last=False)`` pops it, ``del`` unlinks from the middle when a
 prefix hit revives a free block).
@@ -144,6 +145,49 @@ class BlockPool:
             self._unpublish(block)
             self.ref_count[block] = 1
             out.append(block)
+        return out
+
+    def allocate_one(self) -> int:
+        """``allocate(1)[0]`` (a decode step's page)."""
+        return self.allocate(1)[0]
+
+    def touch_many(self, blocks) -> int:
+        """``touch`` each of ``blocks`` (distinct, none null); returns how many left the free list."""
+        revived = 0
+        for b in blocks:
+            revived += self.ref_count[b] == 0
+            self.touch(b)
+        return revived
+
+    def count_free(self, blocks) -> int:
+        """How many of ``blocks`` (distinct) are on the free list."""
+        return sum(1 for b in blocks if b in self._free)
+
+    def lookup_run(self, hashes, tokens) -> list[int]:
+        """The longest leading run of ``lookup`` hits; ``tokens`` int32 ``[len(hashes) * page]``."""
+        out: list[int] = []
+        if not len(hashes):
+            return out
+        page = len(tokens) // len(hashes)
+        for i, h in enumerate(hashes):
+            b = self.lookup(h, tokens[i * page : (i + 1) * page])
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def publish_run(self, blocks, hashes, tokens) -> list[int]:
+        """``publish`` each block in order as one chain, stopping at the first collision
+        (spec/manager.md §5.1); returns the kept page of each block before the stop."""
+        out: list[int] = []
+        if not len(blocks):
+            return out
+        page = len(tokens) // len(blocks)
+        for i, (b, h) in enumerate(zip(blocks, hashes)):
+            c = self.publish(b, h, tokens[i * page : (i + 1) * page])
+            if c == b and self.block_hash[b] is None:
+                break  # a collision: the chain stops here
+            out.append(c)
         return out
 
     def touch(self, block: int) -> None:

@@ -36,8 +36,11 @@ from kvspec._manager_types import (
 )
 from kvspec.errors import InsufficientBlocksError, KVLoadFailed, KVLoadRefused
 
-from ._block_pool import NULL_BLOCK, BlockPool
+from kvspec._page_store import BookkeepingPageStore
+from kvspec.engine import NULL_BLOCK, BlockPool, ManagerEngine
+
 from ._leaves import Leaf, joint_hit
+from ._manager_engine import ReferenceManagerEngine
 
 __all__ = ["PagedKVCacheManager"]
 
@@ -205,9 +208,7 @@ class PagedKVCacheManager:
         num_blocks = check_int(o, "num_blocks", num_blocks, low=2, high=MAX_INT_ARG)
         max_batch_size = check_int(o, "max_batch_size", max_batch_size, low=1, high=MAX_INT_ARG)
         max_seq_len = check_int(o, "max_seq_len", max_seq_len, low=1, high=MAX_INT_ARG)
-        kind, _ = parse_device(o, device)
-        if kind != "cpu":
-            raise ValueError(f"{o}: device={device!r}, kvref stores NumPy arrays and supports only 'cpu'")
+        engine = type(self).make_engine(params, device)  # spec §12: the mechanisms, chosen once
         leaves = [Leaf(lid, spec, params.page_size) for lid, spec in params.leaves().items()]
         if any(leaf.is_recurrent for leaf in leaves) and params.enable_prefix_caching and num_blocks < 3:
             raise ValueError(f"{o}: num_blocks={num_blocks}, must be >= 3 with a recurrent leaf (live + successor)")
@@ -233,18 +234,15 @@ class PagedKVCacheManager:
         # The leaf whose rows carry the chain for twin dedup (spec §5.1): a full leaf if any.
         self._anchor = next((leaf for leaf in self._paged_leaves if leaf.kind is LeafKind.FULL), self._paged_leaves[0])
 
-        self._pools: list[dict[str, BlockPool]] = []
-        self._buffers: list[dict[str, np.ndarray]] = []
-        for _ in range(self._dp):
-            self._pools.append({leaf.leaf_id: BlockPool(num_blocks) for leaf in leaves})
-            bufs = {}
-            for leaf in leaves:
-                if leaf.is_recurrent:
-                    shape = (num_blocks, *leaf.spec.state_shape)
-                    bufs[leaf.leaf_id] = np.zeros(shape, dtype=STATE_DTYPES[leaf.spec.state_dtype])
-                else:
-                    bufs[leaf.leaf_id] = np.zeros((num_blocks, *params.page_shape), dtype=params.np_dtype)
-            self._buffers.append(bufs)
+        self._engine = engine
+        self._pools: list[dict[str, BlockPool]] = [
+            {leaf.leaf_id: engine.block_pool(num_blocks) for leaf in leaves} for _ in range(self._dp)]
+        # spec §1.3 / §1.5: buffers exist only when params.allocate_buffers (else nothing is O(bytes)).
+        self._holds_bytes = params.allocate_buffers
+        self._buffers: list[dict[str, Any]] = [
+            {leaf.leaf_id: (engine.page_buffer(self._leaf_shape(leaf), self._leaf_dtype(leaf))
+                            if self._holds_bytes else None) for leaf in leaves}
+            for _ in range(self._dp)]
 
         self._requests: dict[str, _Request] = {}
         self._metrics = KVCacheMetrics()
@@ -265,12 +263,38 @@ class PagedKVCacheManager:
         self._connector = connector
         # Spec §9.1: the null connector is never called on the hot path.
         self._uses_connector = self._simple and self._caching and not isinstance(connector, NullConnector)
-        connector.attach(self._page_stores(), params)
+        # spec §1.4: one page store per replica, built by the engine over the final buffers.
+        if self._holds_bytes:
+            stores = [engine.page_store(self._buffers[r][self._conn_leaf]) for r in range(self._dp)]
+        else:
+            stores = [BookkeepingPageStore(num_blocks, params.page_bytes(self._conn_leaf)) for _ in range(self._dp)]
+        connector.attach(stores, params)
 
-    def _page_stores(self) -> list:
-        """What the connector reads and writes device pages through, one per replica
-        (spec/tiers.md §2): the host buffers here; a GPU engine returns its page stores."""
-        return [self._buffers[r][self._conn_leaf] for r in range(self._dp)]
+    @classmethod
+    def make_engine(cls, params: KVCacheParams, device: str) -> ManagerEngine:
+        """The engine this manager runs on (spec/manager.md §12), chosen once at construction.
+
+        ``kvref`` serves ``device="cpu"`` with :class:`ReferenceManagerEngine`;
+        ``kvfast`` overrides this method (Numba on the CPU, CuPy on a GPU).
+
+        Raises
+        ------
+        ValueError
+            A malformed device, or one this engine does not serve.
+        """
+        o = "PagedKVCacheManager"
+        kind, _ = parse_device(o, device)
+        if kind != "cpu":
+            raise ValueError(f"{o}: device={device!r}, kvref stores NumPy arrays and supports only 'cpu'")
+        return ReferenceManagerEngine()
+
+    def _leaf_shape(self, leaf: Leaf) -> tuple[int, ...]:
+        if leaf.is_recurrent:
+            return (self._num_blocks, *leaf.spec.state_shape)
+        return (self._num_blocks, *self._params.page_shape)
+
+    def _leaf_dtype(self, leaf: Leaf):
+        return STATE_DTYPES[leaf.spec.state_dtype] if leaf.is_recurrent else self._params.np_dtype
 
     # ================================================================== properties
 
@@ -365,10 +389,9 @@ class PagedKVCacheManager:
         if len(have) >= n:
             return list(have[:n])
         parent = have[-1] if have else self._root(ctx.cache_salt)
-        more = hashing.block_hashes(
-            ctx.tokens[len(have) * self._page : n * self._page], self._page, self._params.hash_algo, parent=parent
-        )
-        return list(have) + list(more)
+        more = self._engine.chain_hashes(parent, ctx.tokens[len(have) * self._page : n * self._page], self._page,
+                                         self._params.hash_algo)
+        return list(have) + more
 
     def _resident(self, r: int, hashes: list[bytes], tokens: np.ndarray):
         """``{leaf_id: resident(i)}`` over replica r's pools, memoised."""
@@ -440,7 +463,11 @@ class PagedKVCacheManager:
         if old is not None:
             raise ValueError(f"claim: request_id={ctx.request_id!r} is already claimed, on replica {old.replica}")
         self._check_len(op, ctx)
-        self._requests[ctx.request_id] = _Request(ctx=ctx, replica=r, rows={leaf.leaf_id: [] for leaf in self._leaves})
+        self._requests[ctx.request_id] = self._new_request(ctx, r)
+
+    def _new_request(self, ctx: TextContext, r: int) -> _Request:
+        """A claimed request's state: empty rows on replica ``r``."""
+        return _Request(ctx=ctx, replica=r, rows={leaf.leaf_id: [] for leaf in self._leaves})
 
     def contains(self, ctx: TextContext | str) -> bool:
         """Whether the request is claimed on any replica.
@@ -665,16 +692,16 @@ class PagedKVCacheManager:
 
     def _run_copies(self, req: _Request, copies: list) -> None:
         """Byte copies of an alloc, run only once nothing can fail any more."""
-        r = req.replica
-        for kind, a, src, dst in copies:
+        r, eng = req.replica, self._engine
+        for kind, a, src, dst in copies if self._holds_bytes else ():  # spec §1.5: no bytes, no copies
             if kind == "peer":
-                self._buffers[r][self._conn_leaf][dst] = self._buffers[a][self._conn_leaf][src]
+                eng.copy_page(self._buffers[r][self._conn_leaf], dst, self._buffers[a][self._conn_leaf], src)
             else:
                 buf = self._buffers[r][a]
                 if src == NULL_BLOCK:
-                    buf[dst] = 0  # Spec §4.7: a fresh recurrent state starts at zero
+                    eng.zero_page(buf, dst)  # Spec §4.7: a fresh recurrent state starts at zero
                 else:
-                    buf[dst] = buf[src]
+                    eng.copy_page(buf, dst, buf, src)
         for lid, c in req.restore.items():
             self._pools[r][lid].free([c])
         req.restore.clear()
@@ -1005,8 +1032,9 @@ class PagedKVCacheManager:
             if len(row) < 2 or pool.lookup(h, toks) is not None:
                 continue
             live, succ = row
-            buf = self._buffers[req.replica][leaf.leaf_id]
-            buf[succ] = buf[live]  # Spec §5.2: the successor carries on, the old live page is the checkpoint
+            if self._holds_bytes:  # Spec §5.2: the successor carries on, the old live page is the checkpoint
+                buf = self._buffers[req.replica][leaf.leaf_id]
+                self._engine.copy_page(buf, succ, buf, live)
             pool.publish(live, h, toks)
             pool.free([live])
             req.rows[leaf.leaf_id] = [succ]
@@ -1243,9 +1271,13 @@ class PagedKVCacheManager:
         Full/sliding: ``[num_blocks, 2, num_layers, page_size, kv_heads,
         head_dim]`` of ``params.dtype``; recurrent: ``[num_blocks,
         *state_shape]`` of its state dtype. Raises ``TypeError`` /
-        ``IndexError`` for a bad ``replica_idx``.
+        ``IndexError`` for a bad ``replica_idx``; ``RuntimeError`` in
+        bookkeeping-only mode (``params.allocate_buffers=False``, spec §1.5).
         """
         r = self._replica("get_device_buffer", replica_idx)
+        if not self._holds_bytes:
+            raise RuntimeError("get_device_buffer: params.allocate_buffers=False (bookkeeping-only mode) "
+                               "allocates no K/V buffers")
         if len(self._leaves) == 1:
             return self._buffers[r][self._leaves[0].leaf_id]
         return dict(self._buffers[r])
@@ -1384,15 +1416,13 @@ class PagedKVCacheManager:
             for lid in leaf_ids:
                 leaf = self._leaf[lid]
                 width = LUT_ALIGN if leaf.is_recurrent else cols
-                lut = np.zeros((len(batch), width), dtype=np.uint32)
-                for i, c in enumerate(batch):
-                    row = self._requests[c.request_id].rows[lid]
-                    n = 1 if leaf.is_recurrent else self._required_blocks(c)
-                    lut[i, :n] = row[:n]
+                rows = [self._requests[c.request_id].rows[lid] for c in batch]
+                widths = [1 if leaf.is_recurrent else self._required_blocks(c) for c in batch]
                 per[lid] = KVCacheInputsPerDevice(
-                    kv_blocks=self._buffers[r][lid],
-                    lookup_table=lut,
-                    cache_lengths=np.array([c.processed_length for c in batch], dtype=np.uint32),
+                    kv_blocks=self._buffers[r][lid],  # None in bookkeeping-only mode (spec §8)
+                    lookup_table=self._engine.to_device(self._engine.lookup_table(rows, widths, width)),
+                    cache_lengths=self._engine.to_device(
+                        np.array([c.processed_length for c in batch], dtype=np.uint32)),
                     max_prompt_length=max((c.active_length for c in batch), default=0),
                     max_cache_length=(int(max_cache_length) if max_cache_length is not None
                                       else max((c.current_position for c in batch), default=0)),

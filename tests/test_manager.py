@@ -748,8 +748,8 @@ class DictConnector:
         self.lookups = 0
         self.metrics_ = KVCacheMetrics()
 
-    def attach(self, buffers, params):
-        self.buffers = list(buffers)
+    def attach(self, stores, params):
+        self.buffers = list(stores)  # one kvspec.PageStore per replica (spec/manager.md §1.4)
 
     def lookup(self, hashes, tokens, replica_idx=0):
         self.lookups += 1
@@ -771,12 +771,12 @@ class DictConnector:
         if any(h not in self.store for h in hashes):
             self.metrics_.connector_loads_refused += 1
             raise KVLoadRefused("DictConnector: evicted since lookup")
-        buf = self.buffers[replica_idx]
+        store = self.buffers[replica_idx]
         pages = [self.store[h][1] for h in hashes]
 
         def copy():
             for b, p in zip(block_ids, pages):
-                buf[b] = p
+                store.write([b], p[None])
             self.metrics_.h2d_bytes_copied += sum(p.nbytes for p in pages)
 
         fail = bool(self.fail_poll)
@@ -792,8 +792,8 @@ class DictConnector:
 
         def copy():
             for b, hh, t in zip(block_ids, hashes, tokens):
-                self.store[bytes(hh)] = (np.array(t), buf[b].copy())
-            self.metrics_.d2h_bytes_copied += sum(buf[b].nbytes for b in block_ids)
+                self.store[bytes(hh)] = (np.array(t), buf.read([b])[0].copy())
+            self.metrics_.d2h_bytes_copied += buf.page_nbytes * len(block_ids)
 
         h = Handle(copy)
         if not self.offload_async:

@@ -18,5 +18,10 @@ from .._page_store import HostPageStore, PageStore
 from . import _slot
 from ._slot import *  # noqa: F401,F403  (slot-cache engine: SlotEngine, WriteSets, STEP_* codes)
 
+from . import _manager, _pool
+from ._manager import *  # noqa: F401,F403  (request-manager engine: ManagerEngine)
+from ._pool import *  # noqa: F401,F403  (block pool protocol: BlockPool, NULL_BLOCK)
+
 __all__ = ["PageStore", "HostPageStore"]
 __all__ += _slot.__all__
+__all__ += _pool.__all__ + _manager.__all__

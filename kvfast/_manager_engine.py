@@ -1,0 +1,136 @@
+"""kvfast's request-manager engines (``kvspec.engine.ManagerEngine``, spec/manager.md §12).
+
+* :class:`FastManagerEngine` (CPU): the Numba block pool
+  (:class:`kvfast._block_pool.BlockPool`: intrusive int32 free list, batch
+  kernels, one token table), the SHA-256 chain kernel that reads the
+  context's int32 tokens in place, and lookup tables built in one vectorised
+  scatter.
+* :class:`CudaManagerEngine` (GPU): the same bookkeeping; page buffers as CuPy
+  arrays, seen by the tiers through ``CudaPageStore`` (``stage.cu`` and pinned
+  host memory), lookup tables and cache lengths moved to the device.
+
+Both subclass the public ``kvref.ReferenceManagerEngine`` only to inherit
+what is identical (the NumPy page buffer, plain page copies); every method
+they replace returns the same values.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from typing import Sequence
+
+import numpy as np
+
+import kvref
+from kvspec import hashing
+
+from ._block_pool import BlockPool
+from ._numba import sha as _sha
+
+__all__ = ["FastManagerEngine", "CudaManagerEngine"]
+
+#: Token ids are stored as native int32: on a little-endian machine their bytes are the hash input.
+_NATIVE_LE = sys.byteorder == "little"
+
+
+def hash_input_is_native() -> bool:
+    """Whether ``kvspec.hashing.tokens_to_bytes`` is the real one, so the int32 tokens are the hash
+    input as they are (the conformance collision hook swaps it, possibly before this module is
+    first imported: compare by name, never by a reference captured at import)."""
+    f = hashing.tokens_to_bytes
+    return (_NATIVE_LE and getattr(f, "__module__", None) == "kvspec.hashing"
+            and getattr(f, "__qualname__", None) == "tokens_to_bytes")
+
+
+def chain(parent: bytes, data, step: int, n: int, hash_algo: str) -> list[bytes]:
+    """``n`` chained block hashes over ``data`` (bytes, or int32 tokens read in place;
+    ``step`` bytes per block), spec/hashing.md."""
+    if hash_algo == "sha256" and _sha.AVAILABLE:
+        return _sha.chain_sha256(parent, data, step, n)
+    if hash_algo == "sha256":
+        import hashlib
+
+        h = lambda b: hashlib.sha256(b).digest()  # noqa: E731
+    else:
+        import xxhash
+
+        h = xxhash.xxh3_128_digest
+    buf = data.tobytes() if isinstance(data, np.ndarray) else data
+    out = []
+    for i in range(n):
+        parent = h(parent + buf[i * step : (i + 1) * step])
+        out.append(parent)
+    return out
+
+
+class FastManagerEngine(kvref.ReferenceManagerEngine):
+    """Numba bookkeeping over NumPy page buffers (``device="cpu"``)."""
+
+    name = "numba"
+
+    def block_pool(self, num_blocks: int) -> BlockPool:
+        """A :class:`kvfast._block_pool.BlockPool` (same allocation order as the reference)."""
+        return BlockPool(num_blocks)
+
+    def chain_hashes(self, parent: bytes, tokens: np.ndarray, page_size: int, hash_algo: str) -> list[bytes]:
+        """One kernel call over the int32 tokens in place (or their ``tokens_to_bytes`` when the
+        hash input is patched); byte-identical to ``kvspec.hashing.block_hashes``."""
+        n = len(tokens) // page_size
+        if n == 0:
+            return []
+        data = tokens if hash_input_is_native() else hashing.tokens_to_bytes(tokens)
+        return chain(parent, data, 4 * page_size, n, hash_algo)
+
+    def lookup_table(self, rows: Sequence[Sequence[int]], widths: Sequence[int], cols: int) -> np.ndarray:
+        """One scatter into a zeroed ``uint32 [len(rows), cols]`` (no per-block Python work)."""
+        n = len(rows)
+        lut = np.zeros((n, cols), dtype=np.uint32)
+        if n:
+            w = np.asarray(widths, dtype=np.int64)
+            flat = np.fromiter(itertools.chain.from_iterable(row[:k] for row, k in zip(rows, widths)),
+                               dtype=np.uint32, count=int(w.sum()))
+            starts = np.repeat(np.cumsum(w) - w, w)
+            lut[np.repeat(np.arange(n), w), np.arange(flat.size) - starts] = flat
+        return lut
+
+    def __repr__(self) -> str:
+        return "FastManagerEngine()"
+
+
+class CudaManagerEngine(FastManagerEngine):
+    """Numba bookkeeping over CuPy page buffers on device ``device_id`` (``device="cuda[:N]"``).
+
+    Parameters
+    ----------
+    device_id : int
+        The CUDA device (checked by the caller).
+    """
+
+    name = "cuda"
+
+    def __init__(self, device_id: int):
+        from ._cuda._module import cupy  # CuPy, or its KVFAST_CUDA_EMULATE stand-in
+
+        self.device_id = device_id
+        self._cp = cupy()
+
+    def page_buffer(self, shape: tuple[int, ...], dtype):
+        """A zeroed CuPy buffer; CuPy has no bfloat16, so such buffers hold their uint16 bit patterns."""
+        dt = np.dtype(dtype)
+        with self._cp.cuda.Device(self.device_id):
+            return self._cp.zeros(shape, dtype=np.uint16 if dt.name == "bfloat16" else dt)
+
+    def page_store(self, buffer):
+        """A ``CudaPageStore``: the tiers' pages staged by ``stage.cu`` through pinned host memory."""
+        from ._cuda.page_store import CudaPageStore
+
+        with self._cp.cuda.Device(self.device_id):
+            return CudaPageStore(buffer)
+
+    def to_device(self, array: np.ndarray):
+        with self._cp.cuda.Device(self.device_id):
+            return self._cp.asarray(array)
+
+    def __repr__(self) -> str:
+        return f"CudaManagerEngine(device_id={self.device_id})"

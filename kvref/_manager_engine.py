@@ -1,0 +1,64 @@
+"""``ReferenceManagerEngine``: the request manager's mechanisms in plain Python and NumPy.
+
+The readable definition of each mechanism of ``kvspec.engine.ManagerEngine``
+(spec/manager.md §12): ``kvref.BlockPool`` pools, zero-filled NumPy page
+buffers seen by the tiers through ``HostPageStore``, the hash chain of
+``kvspec.hashing``, and lookup tables filled row by row.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from kvspec import hashing
+from kvspec._page_store import HostPageStore
+
+from ._block_pool import BlockPool
+
+__all__ = ["ReferenceManagerEngine"]
+
+
+class ReferenceManagerEngine:
+    """The reference engine of ``kvref.PagedKVCacheManager`` (device ``"cpu"`` only).
+
+    Subclasses (``kvfast``'s engines) replace mechanisms, never policy.
+    """
+
+    name = "reference"
+
+    def block_pool(self, num_blocks: int) -> BlockPool:
+        """A ``kvref.BlockPool`` of ``num_blocks`` ids (block 0 null)."""
+        return BlockPool(num_blocks)
+
+    def page_buffer(self, shape: tuple[int, ...], dtype) -> np.ndarray:
+        """``numpy.zeros(shape, dtype)``."""
+        return np.zeros(shape, dtype=dtype)
+
+    def page_store(self, buffer: np.ndarray) -> HostPageStore:
+        """A ``HostPageStore`` over the NumPy buffer."""
+        return HostPageStore(buffer)
+
+    def chain_hashes(self, parent: bytes, tokens: np.ndarray, page_size: int, hash_algo: str) -> list[bytes]:
+        """``kvspec.hashing.block_hashes`` of the int32 tokens from ``parent``."""
+        return list(hashing.block_hashes(tokens, page_size, hash_algo, parent=parent))
+
+    def lookup_table(self, rows: Sequence[Sequence[int]], widths: Sequence[int], cols: int) -> np.ndarray:
+        """``uint32 [len(rows), cols]``, row ``i`` = ``rows[i][:widths[i]]`` then 0."""
+        lut = np.zeros((len(rows), cols), dtype=np.uint32)
+        for i, (row, n) in enumerate(zip(rows, widths)):
+            lut[i, :n] = row[:n]
+        return lut
+
+    def copy_page(self, dst, dst_page: int, src, src_page: int) -> None:
+        dst[dst_page] = src[src_page]
+
+    def zero_page(self, buffer, page: int) -> None:
+        buffer[page] = 0
+
+    def to_device(self, array: np.ndarray) -> np.ndarray:
+        return array
+
+    def __repr__(self) -> str:
+        return "ReferenceManagerEngine()"
