@@ -241,3 +241,54 @@ def test_a_pool_smaller_than_one_request_is_reported(kind):
     server = make_server(kind, kvref, model, chunk_size=64, num_blocks=4)
     with pytest.raises(RuntimeError, match="does not fit"):
         server.serve([Request("long", tuple(range(1, 40)), 2), Request("other", (1, 2, 3), 2)])
+
+
+# --------------------------------------------------------------------------- kvfast on device="cuda"
+
+CUDA_VARIANTS = ["slot-paged", "slot-contiguous", "slot-paged-sliding", "manager", "manager-sliding",
+                 "manager-host-tier"]
+_CUDA_SCRIPT = r"""
+import dataclasses, json, sys
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[2])
+import kvfast
+import test_decoder_onnx as t
+out = {}
+for name in sys.argv[3:]:
+    kind, windows, kw, kv_round, atol = t.VARIANTS[name]
+    model = t.model_for(windows)
+    server = t.make_server(kind, kvfast, model, device="cuda", **kw)
+    result = server.serve(t.chat_workload(model.config.vocab_size))
+    stats = dataclasses.asdict(result.stats)
+    try:
+        out[name] = dict(worst=t.compare(result, t.reference_for(windows, kv_round), atol=atol), stats=stats)
+    except AssertionError as e:
+        out[name] = dict(mismatch=str(e), stats=stats)
+print("RESULT" + json.dumps(out))
+"""
+
+
+def serve_on_cuda(variants) -> dict:
+    """Variants served by kvfast on ``device="cuda"``, on the emulated device (``KVFAST_CUDA_EMULATE=1``
+    is read at ``import kvfast``, hence a subprocess): the CUDA launchers and ``.cu`` kernels run for the host."""
+    import json
+    import subprocess
+
+    env = dict(os.environ, KVFAST_CUDA_EMULATE="1")
+    r = subprocess.run([sys.executable, "-c", _CUDA_SCRIPT, os.path.join(ROOT, "examples"),
+                        os.path.join(ROOT, "tests"), *variants],
+                       capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    line = [x for x in r.stdout.splitlines() if x.startswith("RESULT")]
+    assert r.returncode == 0 and line, r.stdout[-2000:] + r.stderr[-4000:]
+    return json.loads(line[0][len("RESULT"):])
+
+
+def test_kvfast_on_cuda_serves_what_onnx_runtime_generates():
+    results = serve_on_cuda(CUDA_VARIANTS)
+    for variant in CUDA_VARIANTS:
+        res = results[variant]
+        assert "mismatch" not in res, (variant, res["mismatch"])
+        assert res["worst"] <= 1e-4, variant
+        if variant != "slot-contiguous":
+            assert res["stats"]["admissions_with_hit"] > 0 and res["stats"]["preemptions"] > 0, (variant, res)
+    assert results["manager-host-tier"]["stats"]["external_hit_blocks"] > 0   # pages came back from host

@@ -27,8 +27,26 @@ import numpy as np
 
 __all__ = [
     "DecoderConfig", "DecoderWeights", "Decoder", "rope_tables", "apply_rope",
-    "SlotCacheAttention", "PagedTableAttention", "layer_specs_for",
+    "SlotCacheAttention", "PagedTableAttention", "layer_specs_for", "to_host",
 ]
+
+
+def to_host(a) -> np.ndarray:
+    """A NumPy copy of a host or device array (CuPy arrays on ``device="cuda"`` caches: ``.get()``)."""
+    if isinstance(a, np.ndarray):
+        return a
+    if hasattr(a, "get") and hasattr(a, "__cuda_array_interface__"):
+        return a.get()
+    return np.asarray(a)
+
+
+def _device_module(device: str):
+    """CuPy for a ``"cuda[:N]"`` device, else None (the model itself stays in NumPy)."""
+    if str(device).startswith("cuda"):
+        import cupy
+
+        return cupy
+    return None
 
 
 @dataclass(frozen=True)
@@ -255,10 +273,14 @@ class SlotCacheAttention:
 
     def __init__(self, ops, cache, step):
         self.ops, self.cache, self.step = ops, cache, step
+        self.xp = _device_module(cache.config.device)   # on a GPU cache: copy q/k/v over, the output back
 
     def __call__(self, layer, q, k, v):
+        if self.xp is not None:
+            q, k, v = self.xp.asarray(q), self.xp.asarray(k), self.xp.asarray(v)
         self.ops.append_kv(self.cache, layer, k, v, self.step)        # scatter through slot_mapping
-        return self.ops.varlen_attention(q, self.cache, layer, self.step)  # causal, GQA, window-aware
+        out = self.ops.varlen_attention(q, self.cache, layer, self.step)  # causal, GQA, window-aware
+        return to_host(out)
 
 
 class PagedTableAttention:
@@ -295,7 +317,7 @@ class PagedTableAttention:
         else:
             self.per_layer = [inputs] * len(windows)
         first = self.per_layer[0]
-        self.past = np.asarray(first.cache_lengths, dtype=np.int64)     # uint32 [B] = processed_length
+        self.past = to_host(first.cache_lengths).astype(np.int64)      # uint32 [B] = processed_length
         self.q_lens = np.asarray(q_lens, dtype=np.int64)
         self.windows = list(windows)
         self.page = first.kv_blocks.shape[3]
@@ -309,24 +331,40 @@ class PagedTableAttention:
     def __call__(self, layer, q, k, v):
         inp = self.per_layer[layer]
         kv, ps = inp.kv_blocks, self.page                                 # [blocks, 2, layers, page, heads, dim]
-        lut = np.asarray(inp.lookup_table, dtype=np.int64)               # [B, cols], 0 = null page
+        lut = to_host(inp.lookup_table).astype(np.int64)                 # [B, cols], 0 = null page
         pages = lut[self.row_of, self.positions // ps]
+        if not isinstance(kv, np.ndarray):                               # a GPU buffer: write and read by copies
+            return self._on_device(kv, layer, lut, pages, q, k, v)
         kv[pages, 0, layer, self.positions % ps] = k                     # write (cast to the storage dtype)
         kv[pages, 1, layer, self.positions % ps] = v
+        return self._attend(lambda pg, off: kv[pg, :, layer, off].astype(np.float32), layer, lut, q)
+
+    def _on_device(self, kv, layer, lut, pages, q, k, v):
+        """The same through a device buffer: scatter with device index arrays, gather each row to the host."""
+        import cupy
+
+        kv[cupy.asarray(pages), 0, layer, cupy.asarray(self.positions % self.page)] = cupy.asarray(k)
+        kv[cupy.asarray(pages), 1, layer, cupy.asarray(self.positions % self.page)] = cupy.asarray(v)
+        return self._attend(lambda pg, off: to_host(kv[cupy.asarray(pg), :, layer, cupy.asarray(off)])
+                            .astype(np.float32), layer, lut, q)
+
+    def _attend(self, rows_of, layer, lut, q):
+        """Attention of every row; ``rows_of(pages, offsets) -> float32 [n, 2, Hkv, D]`` reads K/V slots."""
+        ps = self.page
         out = np.zeros(q.shape, np.float32)
-        group = q.shape[1] // k.shape[1]
         window = self.windows[layer]
         for b in range(self.q_lens.size):
             lo, hi = int(self.cu[b]), int(self.cu[b + 1])
             n = int(self.past[b] + self.q_lens[b])                       # keys [start, n)
             start = 0 if window is None else max(0, int(self.past[b]) - window + 1)
             pos = np.arange(start, n)
-            kb = kv[lut[b, pos // ps], 0, layer, pos % ps].astype(np.float32)   # [n - start, Hkv, D]
-            vb = kv[lut[b, pos // ps], 1, layer, pos % ps].astype(np.float32)
+            kvb = rows_of(lut[b, pos // ps], pos % ps)                  # [n - start, 2, Hkv, D]
+            kb, vb = kvb[:, 0], kvb[:, 1]
             qpos = self.positions[lo:hi][:, None]
             mask = pos[None, :] <= qpos
             if window is not None:
                 mask &= pos[None, :] > qpos - window
+            group = q.shape[1] // kb.shape[1]
             kb, vb = np.repeat(kb, group, axis=1), np.repeat(vb, group, axis=1)
             s = np.einsum("qhd,khd->hqk", q[lo:hi], kb) / np.float32(np.sqrt(q.shape[2]))
             s = np.where(mask[None], s, -np.inf)

@@ -33,7 +33,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .model import Decoder, PagedTableAttention, SlotCacheAttention, layer_specs_for
+from .model import Decoder, PagedTableAttention, SlotCacheAttention, layer_specs_for, to_host
 
 __all__ = ["Request", "ServeStats", "ServeResult", "SlotCacheServer", "ManagerServer",
            "reference_run", "compare", "chat_workload"]
@@ -172,11 +172,14 @@ class SlotCacheServer:
         cached history before it (an engine that miscounts the cached length).
     on_admit : callable, optional
         Fault injection: ``on_admit(cache, slot, hit)`` after each admission.
+    device : str
+        ``"cpu"`` or ``"cuda[:N]"`` (kvfast): the cache's device; the model
+        stays in NumPy and the binding copies q/k/v over.
     """
 
     def __init__(self, kvpkg, model: Decoder, *, mode: str = "paged", max_seqs: int = 4, max_seq_len: int = 64,
                  block_size: int = 4, num_blocks: int = 0, dtype: str = "float32", chunk_size: int = 8,
-                 past_offset: int = 0, on_admit: Optional[Callable] = None):
+                 past_offset: int = 0, on_admit: Optional[Callable] = None, device: str = "cpu"):
         if mode not in ("paged", "contiguous"):
             raise ValueError(f"SlotCacheServer: mode={mode!r}, must be 'paged' or 'contiguous'")
         if chunk_size < 1:
@@ -188,7 +191,8 @@ class SlotCacheServer:
         kmode = kvpkg.KVCacheMode.PAGED if self.paged else kvpkg.KVCacheMode.CONTIGUOUS
         self.cache = kvpkg.KVCache.make(
             kvpkg.KVCacheConfig(num_layers=cfg.num_layers, max_seqs=max_seqs, max_seq_len=max_seq_len,
-                                mode=kmode, block_size=block_size, num_blocks=num_blocks, dtype=dtype),
+                                mode=kmode, block_size=block_size, num_blocks=num_blocks, dtype=dtype,
+                                device=device),
             layer_specs_for(kvpkg, cfg))
         self.block_size = block_size
 
@@ -246,11 +250,11 @@ class SlotCacheServer:
                     stats.preemptions += 1
             # 3. forward: write K/V and attend through the cache
             feed = np.concatenate([live.tokens[live.computed: live.computed + q] for _, live, q in rows])
-            positions = np.asarray(step.positions, dtype=np.int64)
+            positions = to_host(step.positions).astype(np.int64)
             if self.past_offset:
                 positions = positions + self.past_offset * (positions >= 1)
             logits = self.model.forward(feed, positions, SlotCacheAttention(kv.ops, cache, step),
-                                        logits_rows=step.logits_indices)
+                                        logits_rows=to_host(step.logits_indices))
             stats.steps += 1
             stats.chunked_prefill_steps += any(q < len(l.tokens) - l.computed for _, l, q in rows)
             # 4. commit, sample, finish
@@ -300,11 +304,14 @@ class ManagerServer:
         Fault injection, as in :class:`SlotCacheServer`.
     on_admit : callable, optional
         Fault injection: ``on_admit(mgr, ctx)`` after each admission's ``alloc``.
+    device : str
+        ``"cpu"`` or ``"cuda[:N]"`` (kvfast): where the manager's pages live.
     """
 
     def __init__(self, kvpkg, model: Decoder, *, num_blocks: int = 24, max_batch_size: int = 4,
                  max_seq_len: int = 64, page_size: int = 4, dtype: str = "float32", host_bytes: int = 0,
-                 chunk_size: int = 8, past_offset: int = 0, on_admit: Optional[Callable] = None):
+                 chunk_size: int = 8, past_offset: int = 0, on_admit: Optional[Callable] = None,
+                 device: str = "cpu"):
         if chunk_size < 1:
             raise ValueError(f"ManagerServer: chunk_size={chunk_size} must be >= 1")
         cfg = model.config
@@ -321,7 +328,7 @@ class ManagerServer:
                                      head_dim=cfg.head_dim, dtype=dtype, host_offload_bytes=host_bytes,
                                      leaves=leaves)
         self.mgr = kvpkg.PagedKVCacheManager(params, num_blocks=num_blocks, max_batch_size=max_batch_size,
-                                             max_seq_len=max_seq_len)
+                                             max_seq_len=max_seq_len, device=device)
 
     def _chunk(self, ctx) -> None:
         if ctx.active_length > self.chunk_size:
