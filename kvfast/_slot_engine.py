@@ -127,8 +127,11 @@ class FastSlotEngine(ReferenceSlotEngine):
         #: id(storage buffer) -> (buffer, flat word view, word dtype, rows, block_size, block_stride, row_stride)
         self._views: dict[int, tuple] = {}
         self._empty_table = np.zeros((1, 1), np.int32)
-        #: the Numba step kernels, bound once (compiled or loaded from the on-disk cache on first use)
+        #: (id(K), id(V)) -> (K, V, K words, V words, word, rows, block_size, block_stride, row_stride)
+        self._pairs: dict[tuple[int, int], tuple] = {}
+        #: the Numba step and copy kernels, bound once (compiled or loaded from the on-disk cache on first use)
         self._k = _step()
+        self._c = _copy()
 
     # ------------------------------------------------------------------ storage and bookkeeping
 
@@ -213,17 +216,24 @@ class FastSlotEngine(ReferenceSlotEngine):
         sm = slot_mapping
         if not (isinstance(sm, np.ndarray) and sm.dtype == np.int64):
             sm = np.asarray(sm, dtype=np.int64)
-        if sm.shape[0] == 0:
+        t = sm.shape[0]
+        if t == 0:
             return -1
-        c = _copy()
-        Kw, word, rows, bs, block_stride, row_stride = self._word_view(K)
-        Vw = self._word_view(V)[0]
+        pair = self._pairs.get((id(K), id(V)))
+        if pair is None or pair[0] is not K or pair[1] is not V:
+            Kw, word, rows, bs, block_stride, row_stride = self._word_view(K)
+            pair = (K, V, Kw, self._word_view(V)[0], word, rows, bs, block_stride, row_stride)
+            self._pairs[(id(K), id(V))] = pair
+        _, _, Kw, Vw, word, rows, bs, block_stride, row_stride = pair
         if k.dtype != K.dtype:
             k = k.astype(K.dtype)  # the reference's assignment casts the same way
         if v.dtype != V.dtype:
             v = v.astype(V.dtype)
-        return c.scatter_rows(c.as_words(k, word), c.as_words(v, word), Kw, Vw, 0, 0, sm, bs, block_stride,
-                              row_stride, rows)
+        c = self._c
+        # C-contiguous inputs (the common case) as [T, row_words] views without as_words' general path
+        kw = k.reshape(t, -1).view(word) if k.flags.c_contiguous else c.as_words(k, word)
+        vw = v.reshape(t, -1).view(word) if v.flags.c_contiguous else c.as_words(v, word)
+        return c.scatter_rows(kw, vw, Kw, Vw, 0, 0, sm, bs, block_stride, row_stride, rows)
 
     def gather_kv(self, K, V, slot: int, n: int, block_row, block_size: int):
         if block_row is None:
