@@ -19,7 +19,8 @@ their ratio (best of ``repeat`` timings of each):
   Hit tokens and peak blocks of both are reported and must agree.
 
 Run ``kvcache bench`` (or ``python -m kvcache.bench``); ``--quick`` shrinks
-the repetitions for a smoke run; ``--json PATH`` writes the rows.
+the repetitions for a smoke run; ``--json PATH`` writes ``{"metadata": ..., "rows": [...]}``
+(machine and versions: ``kvcache.metadata.machine_metadata``).
 """
 
 from __future__ import annotations
@@ -327,8 +328,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = run_bench(quick=args.quick, replay_requests=args.replay_requests, only=only)
     print_table(rows)
     if args.json:
+        from .metadata import machine_metadata
+
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"metadata": machine_metadata(), "rows": rows}, f, indent=1)
     return 0
 
 
