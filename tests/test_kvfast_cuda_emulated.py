@@ -386,3 +386,51 @@ def test_tiered_manager_on_cuda_offloads_evicts_and_reloads(emulated, tmp_path, 
     n = len(prompts)
     assert out["fast"][n:] == out["fast"][:n]  # round 2 reloaded exactly what round 1 wrote
     assert pinned
+
+
+# --------------------------------------------------------------------------- the launchers
+
+
+def test_gpu_marked_launcher_tests_pass_on_the_emulated_device(emulated, monkeypatch):
+    """tests/test_kvfast_gpu.py (what a real GPU runs) with the emulated CuPy: every launcher,
+    every dtype, through the host-compiled kernels."""
+    import test_kvfast_gpu as g
+
+    monkeypatch.setattr(g, "cp", emulated)
+    for dtype in g.DTYPES:
+        g.test_append_and_gather_launchers(dtype)
+        g.test_block_stage_and_state_launchers(dtype)
+    g.test_cuda_slot_cache_end_to_end()
+
+
+def test_launchers_refuse_layouts_their_kernels_misread(emulated):
+    from kvfast._cuda.append_kv import append_kv
+    from kvfast._cuda.copy_blocks import copy_blocks
+    from kvfast._cuda.stage import stage_gather
+    from kvfast._cuda.state import state_copy_rows, state_zero_rows
+
+    cp = emulated
+    buf = cp.asarray(np.arange(6 * 2 * 8, dtype=np.uint16).reshape(6, 2, 8))
+    before = buf.get().tobytes()
+    ids = np.array([1, 2], np.int64)
+    with pytest.raises(ValueError, match="staging.strides"):
+        stage_gather(buf, cp.zeros((2, 2, 12), np.uint16)[:, :, :8], ids)  # rows not contiguous
+    with pytest.raises(ValueError, match="2-byte elements"):
+        stage_gather(buf, cp.zeros((2, 16), np.float32), ids)
+    with pytest.raises(ValueError, match="staging.shape\\[0\\]=1 < len\\(block_ids\\)=2"):
+        stage_gather(buf, cp.zeros((1, 16), np.uint16), ids)
+    with pytest.raises(ValueError, match="each row must be C-contiguous"):
+        stage_gather(buf[:, :, ::2], cp.zeros((2, 8), np.uint16), ids)
+    with pytest.raises(ValueError, match="dst.strides\\[0\\]"):
+        copy_blocks(buf, cp.zeros((6, 3, 8), np.uint16)[:, :2], np.array([[1, 2]], np.int64))
+    with pytest.raises(ValueError, match="rows must be contiguous"):
+        state_copy_rows(buf, cp.zeros((6, 3, 8), np.uint16)[:, :2], [1], [2])
+    with pytest.raises(ValueError, match="len\\(dst_rows\\)=2 != len\\(src_rows\\)=1"):
+        state_copy_rows(buf, buf, [1], [2, 3])
+    with pytest.raises(ValueError, match="rows must be contiguous"):
+        state_zero_rows(cp.zeros((6, 3, 8), np.uint16)[:, :2], [1])
+    key = cp.zeros((3, 2, 8), np.uint16)[:, :, ::2]  # heads x dim not contiguous
+    with pytest.raises(ValueError, match="key.strides"):
+        append_kv(key, key, buf, buf, cp.asarray(np.array([0, 1, 2], np.int64)), block_size=1, block_stride=16,
+                  row_stride=16)
+    assert buf.get().tobytes() == before  # nothing ran

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from ._module import cupy, get_kernel, launch_1d_rows
+from ._module import check_rows, cupy, get_kernel, launch_1d_rows
 
 __all__ = ["append_kv"]
 
 
 def append_kv(key, value, k_cache, v_cache, slot_mapping, *, block_size: int, block_stride: int,
-              row_stride: int, threads: int | None = None, stream=None) -> None:  # pragma: no cover - needs a GPU
+              row_stride: int, threads: int | None = None, stream=None) -> None:
     """Scatter ``key``/``value`` rows into ``k_cache``/``v_cache`` through ``slot_mapping``.
 
     Parameters
@@ -36,6 +36,11 @@ def append_kv(key, value, k_cache, v_cache, slot_mapping, *, block_size: int, bl
     if slot_mapping.dtype != cp.int64:
         raise ValueError(f"append_kv: slot_mapping dtype={slot_mapping.dtype}, must be int64")
     itemsize = key.dtype.itemsize
+    check_rows("append_kv", "key", key, row_elems)  # rows may be strided; each row contiguous
+    check_rows("append_kv", "value", value, row_elems)
+    if value.shape[0] != t or key.shape[0] != t:
+        raise ValueError(f"append_kv: key.shape[0]={key.shape[0]}, value.shape[0]={value.shape[0]} != "
+                         f"len(slot_mapping)={t}")
     kern = get_kernel("append_kv.cu", "append_kv_kernel", itemsize, k_cache.device.id)
     threads = threads or launch_1d_rows(row_elems * itemsize)
     kern(

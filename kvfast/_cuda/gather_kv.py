@@ -8,7 +8,7 @@ __all__ = ["gather_kv"]
 
 
 def gather_kv(k_cache, v_cache, block_row, seq_len: int, *, block_size: int, block_stride: int,
-              row_stride: int, kv_heads: int, head_dim: int, threads: int | None = None):  # pragma: no cover - needs a GPU
+              row_stride: int, kv_heads: int, head_dim: int, threads: int | None = None):
     """Dense ``(K, V)``, each ``[seq_len, kv_heads, head_dim]``, of one slot.
 
     Parameters
