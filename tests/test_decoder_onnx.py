@@ -292,3 +292,66 @@ def test_kvfast_on_cuda_serves_what_onnx_runtime_generates():
         if variant != "slot-contiguous":
             assert res["stats"]["admissions_with_hit"] > 0 and res["stats"]["preemptions"] > 0, (variant, res)
     assert results["manager-host-tier"]["stats"]["external_hit_blocks"] > 0   # pages came back from host
+
+
+# --------------------------------------------------------------------------- speculative decoding
+
+
+def erring_oracle(reference):
+    """A drafter that proposes ONNX Runtime's continuation but gets the second token wrong whenever the
+    sequence length is a multiple of 3: drafts are accepted, rejected and rolled back in one run."""
+    full = {rid: list(reference.prompts[rid]) + list(reference.tokens[rid]) for rid in reference.tokens}
+
+    def draft(request_id, tokens):
+        cont = full[request_id][len(tokens): len(tokens) + 3]
+        if len(tokens) % 3 == 0 and len(cont) > 1:
+            cont[1] = (cont[1] + 1) % 256
+        return cont
+
+    return draft
+
+
+@pytest.mark.parametrize("pkg", sorted(PKGS))
+@pytest.mark.parametrize("mode,windows", [("paged", FULL), ("paged", SLIDING), ("contiguous", FULL)])
+def test_speculative_decoding_serves_what_onnx_runtime_generates(pkg, mode, windows):
+    model = model_for(windows)
+    reference = reference_for(windows, None)
+    kw = dict(num_blocks=20) if mode == "paged" else dict(max_seqs=3)
+    server = SlotCacheServer(PKGS[pkg], model, mode=mode, drafter=erring_oracle(reference), num_draft=3, **kw)
+    result = server.serve(chat_workload(model.config.vocab_size))
+    assert compare(result, reference, atol=1e-4) <= 1e-4
+    s = result.stats
+    assert 0 < s.accepted_draft_tokens < s.draft_tokens, s      # some drafts verified, some rolled back
+    if mode == "paged":
+        assert s.preemptions > 0 and s.admissions_with_hit > 0, s
+
+
+def test_ngram_drafter_proposes_what_followed_the_last_match():
+    from decoder.serve import ngram_drafter
+
+    draft = ngram_drafter(n=2, k=3)
+    assert draft("r", [1, 2, 3, 9, 4, 1, 2]) == [3, 9, 4]
+    assert draft("r", [5, 6, 7]) == []
+    assert draft("r", [1, 2, 7, 1, 2, 8, 1, 2]) == [8, 1, 2]       # the latest earlier occurrence
+
+
+def test_committing_rejected_drafts_is_refused_by_the_cache():
+    """An engine that forgets the rollback (commits every fed token, rejected drafts included): its next
+    step's ``past_len`` disagrees with the committed length and ``prepare_step`` refuses it."""
+    model = model_for(FULL)
+    reference = reference_for(FULL, None)
+    server = SlotCacheServer(kvref, model, num_blocks=20, drafter=erring_oracle(reference))
+    cache, fed = server.cache, {}
+    prepare, commit = cache.prepare_step, cache.update_position
+
+    def prepare_step(cu, past, slots):
+        step = prepare(cu, past, slots)
+        fed.update({int(s): int(p) + int(cu[i + 1] - cu[i]) for i, (s, p) in enumerate(zip(slots, past))})
+        return step
+
+    def update_position(slot, new_pos):
+        commit(slot, max(new_pos, fed.get(slot, 0)))
+
+    cache.prepare_step, cache.update_position = prepare_step, update_position
+    with pytest.raises(ValueError, match=r"prepare_step: past_len\[\d+\]=\d+ but seq_lens\(\)\[slot \d+\]=\d+"):
+        server.serve(chat_workload(model.config.vocab_size))

@@ -36,7 +36,7 @@ import numpy as np
 from .model import Decoder, PagedTableAttention, SlotCacheAttention, layer_specs_for, to_host
 
 __all__ = ["Request", "ServeStats", "ServeResult", "SlotCacheServer", "ManagerServer",
-           "reference_run", "compare", "chat_workload"]
+           "reference_run", "compare", "chat_workload", "ngram_drafter"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,8 @@ class ServeStats:
     readmissions: int = 0              #: admissions of a preempted request
     chunked_prefill_steps: int = 0     #: forwards in which a row read only part of its remaining prompt
     external_hit_blocks: int = 0       #: blocks loaded from an offload tier (manager with tiers)
+    draft_tokens: int = 0              #: speculative tokens proposed by the drafter
+    accepted_draft_tokens: int = 0     #: of those, tokens the target model confirmed
 
 
 @dataclass
@@ -175,15 +177,30 @@ class SlotCacheServer:
     device : str
         ``"cpu"`` or ``"cuda[:N]"`` (kvfast): the cache's device; the model
         stays in NumPy and the binding copies q/k/v over.
+    drafter : callable, optional
+        Speculative decoding: ``drafter(request_id, tokens) -> proposed next
+        tokens``. A decoding row then feeds its last token plus up to
+        ``num_draft`` drafts in one forward; the target's greedy choices are
+        taken while they equal the drafts (plus one), and ``update_position``
+        commits only the verified length (the rejected drafts' K/V are
+        overwritten later). Greedy output is the same as without drafts.
+    num_draft : int
+        Most draft tokens per step (>= 1 with a drafter).
     """
 
     def __init__(self, kvpkg, model: Decoder, *, mode: str = "paged", max_seqs: int = 4, max_seq_len: int = 64,
                  block_size: int = 4, num_blocks: int = 0, dtype: str = "float32", chunk_size: int = 8,
-                 past_offset: int = 0, on_admit: Optional[Callable] = None, device: str = "cpu"):
+                 past_offset: int = 0, on_admit: Optional[Callable] = None, device: str = "cpu",
+                 drafter: Optional[Callable] = None, num_draft: int = 3):
         if mode not in ("paged", "contiguous"):
             raise ValueError(f"SlotCacheServer: mode={mode!r}, must be 'paged' or 'contiguous'")
         if chunk_size < 1:
             raise ValueError(f"SlotCacheServer: chunk_size={chunk_size} must be >= 1")
+        if drafter is not None and not callable(drafter):
+            raise TypeError(f"SlotCacheServer: drafter={drafter!r}, must be callable or None")
+        if drafter is not None and num_draft < 1:
+            raise ValueError(f"SlotCacheServer: num_draft={num_draft} must be >= 1 with a drafter")
+        self.drafter, self.num_draft = drafter, num_draft
         cfg = model.config
         self.kv, self.model, self.chunk_size = kvpkg, model, chunk_size
         self.past_offset, self.on_admit = past_offset, on_admit
@@ -233,10 +250,9 @@ class SlotCacheServer:
                 waiting.remove(item)
             # 2. schedule and reserve; out of blocks -> preempt the youngest and retry
             while True:
-                rows = [(slot, live, min(len(live.tokens) - live.computed, self.chunk_size))
-                        for slot, live in running.items()]
+                rows = [(slot, live, self._feed(live, stats)) for slot, live in running.items()]
                 try:
-                    step = cache.prepare_step(np.concatenate([[0], np.cumsum([q for _, _, q in rows])]),
+                    step = cache.prepare_step(np.concatenate([[0], np.cumsum([len(f) for _, _, f in rows])]),
                                               [live.computed for _, live, _ in rows], [s for s, _, _ in rows])
                     break
                 except kv.CapacityError:
@@ -249,21 +265,37 @@ class SlotCacheServer:
                     waiting.appendleft(victim)
                     stats.preemptions += 1
             # 3. forward: write K/V and attend through the cache
-            feed = np.concatenate([live.tokens[live.computed: live.computed + q] for _, live, q in rows])
+            feed = np.concatenate([f for _, _, f in rows])
             positions = to_host(step.positions).astype(np.int64)
             if self.past_offset:
                 positions = positions + self.past_offset * (positions >= 1)
+            # logits of the last token of each row; of every token of a row that carries draft tokens
+            cu = to_host(step.cu_seqlens_q).astype(np.int64)
+            wanted = [np.arange(cu[b], cu[b + 1]) if len(f) > 1 and live.computed + 1 == len(live.tokens)
+                      else np.array([cu[b + 1] - 1]) for b, (_, live, f) in enumerate(rows)]
             logits = self.model.forward(feed, positions, SlotCacheAttention(kv.ops, cache, step),
-                                        logits_rows=to_host(step.logits_indices))
+                                        logits_rows=np.concatenate(wanted))
             stats.steps += 1
-            stats.chunked_prefill_steps += any(q < len(l.tokens) - l.computed for _, l, q in rows)
-            # 4. commit, sample, finish
-            for b, (slot, live, q) in enumerate(rows):
-                live.computed += q
+            stats.chunked_prefill_steps += any(live.computed + len(f) < len(live.tokens) for _, live, f in rows)
+            # 4. commit, sample (verify drafts), finish
+            at = 0
+            for slot, live, f in rows:
+                row_logits = logits[at: at + (len(f) if live.computed + 1 == len(live.tokens) and len(f) > 1 else 1)]
+                at += len(row_logits)
+                if live.computed + len(f) < len(live.tokens):          # a prefill chunk: nothing sampled
+                    live.computed += len(f)
+                    cache.update_position(slot, live.computed)
+                    continue
+                drafts = list(f[len(live.tokens) - live.computed:])    # tokens fed after the real ones
+                for i, lg in enumerate(row_logits[-(len(drafts) + 1):]):
+                    tok = live.sample(lg)                              # greedy: the target's own choice
+                    if live.done or i == len(drafts) or tok != drafts[i]:
+                        break
+                    stats.accepted_draft_tokens += 1
+                # every token but the last sampled one has been fed and verified; rejected drafts
+                # are rolled back by committing a shorter length (their K/V are overwritten later)
+                live.computed = len(live.tokens) - 1
                 cache.update_position(slot, live.computed)
-                if live.computed < len(live.tokens):
-                    continue                                       # a prefill chunk: nothing sampled
-                live.sample(logits[b])
                 if live.done:
                     self._finish(slot, live, ledger)
                     del running[slot]
@@ -272,6 +304,17 @@ class SlotCacheServer:
         for rid, live in finished.items():
             res.prompts[rid], res.tokens[rid], res.logits[rid] = live.prompt, live.generated, np.stack(live.logits)
         return res
+
+    def _feed(self, live: _Live, stats: ServeStats) -> np.ndarray:
+        """This step's tokens of a row: a prefill chunk, or the last sampled token plus drafts."""
+        remaining = len(live.tokens) - live.computed
+        if remaining > 1 or self.drafter is None:
+            return np.asarray(live.tokens[live.computed: live.computed + min(remaining, self.chunk_size)])
+        room = min(self.num_draft, live.req.max_new_tokens - len(live.generated) - 1,
+                   self.cache.config.max_seq_len - len(live.tokens))
+        drafts = [int(t) for t in self.drafter(live.req.request_id, list(live.tokens))][: max(room, 0)]
+        stats.draft_tokens += len(drafts)
+        return np.asarray(live.tokens[live.computed:] + drafts)
 
     def _preempt(self, slot: int, live: _Live, ledger: _PrefixLedger) -> None:
         self._finish(slot, live, ledger)       # publish what it computed; re-admission hits it
@@ -500,6 +543,20 @@ def compare(result: ServeResult, reference: ServeResult, atol: float = 1e-4) -> 
                 raise AssertionError(f"compare: request {rid!r} step {s}: token {ta} != reference {tb}")
             worst = max(worst, d)
     return worst
+
+
+def ngram_drafter(n: int = 2, k: int = 3) -> Callable:
+    """Prompt-lookup drafting: find the latest earlier occurrence of the last ``n`` tokens and
+    propose the ``k`` tokens that followed it (nothing when there is none)."""
+
+    def draft(request_id: str, tokens: list) -> list:
+        tail = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start: start + n] == tail:
+                return tokens[start + n: start + n + k]
+        return []
+
+    return draft
 
 
 def chat_workload(vocab_size: int, seed: int = 0, new_tokens: int = 4) -> list[Request]:
