@@ -4,6 +4,10 @@ import os
 
 from hypothesis import HealthCheck, settings
 
+# With KVFAST_CUDA_EMULATE=1, importing kvfast registers its CPU stand-in as ``cupy`` before any
+# test module imports cupy itself (without the variable this only imports kvfast).
+import kvfast  # noqa: E402,F401
+
 settings.register_profile(
     "ci",
     max_examples=30,

@@ -50,6 +50,15 @@ def emulated(monkeypatch):
         _module._module.cache_clear()
 
 
+def _is_pinned(cp, arr: np.ndarray) -> bool:
+    """Page-locked host memory: the emulator's registry, or the CUDA runtime's pointer attributes."""
+    if getattr(cp, "KVFAST_EMULATED", False):
+        from kvfast._cuda import emulate
+
+        return emulate.is_pinned(arr)
+    return cp.cuda.runtime.pointerGetAttributes(arr.ctypes.data).type == 1  # pragma: no cover - cudaMemoryTypeHost
+
+
 def _run(code: str, **env) -> subprocess.CompletedProcess:
     e = {k: v for k, v in os.environ.items() if not k.startswith("KVFAST_CUDA_EMULATE")}
     e.update(env)
@@ -155,7 +164,6 @@ def test_bf16_bits_equal_ml_dtypes(emulated, src):
 
 
 def test_cuda_page_store(emulated):
-    from kvfast._cuda import emulate
     from kvfast._cuda.page_store import CudaPageStore
     from kvspec import PageStore
 
@@ -168,9 +176,9 @@ def test_cuda_page_store(emulated):
     got = ps.read([3, 1, 3])
     assert got.dtype == np.uint8 and got.shape == (3, ps.page_nbytes)
     assert got.tobytes() == host[[3, 1, 3]].tobytes()
-    assert emulate.is_pinned(got)
+    assert _is_pinned(cp, got)
     arena = ps.alloc_host(4)
-    assert arena.shape == (4, ps.page_nbytes) and not arena.any() and emulate.is_pinned(arena)
+    assert arena.shape == (4, ps.page_nbytes) and not arena.any() and _is_pinned(cp, arena)
     ps.write([0, 5], got[:2].copy())
     host[[0, 5]] = host[[3, 1]]
     assert buf.get().tobytes() == host.tobytes()
@@ -362,7 +370,6 @@ def test_tiered_manager_on_cuda_offloads_evicts_and_reloads(emulated, tmp_path, 
     """Host + disk tiers under a kvfast manager on cuda: K/V written by the forward are offloaded
     through the CudaPageStore (stage.cu, pinned arena), evicted from the device by other requests,
     reloaded; every byte equals what was written and what kvref (on the CPU) holds."""
-    from kvfast._cuda import emulate
     from kvspec import KVCacheParams
 
     page = 2
@@ -378,7 +385,7 @@ def test_tiered_manager_on_cuda_offloads_evicts_and_reloads(emulated, tmp_path, 
         met = m.get_metrics_aggregated()
         hits[name] = (met.d2h_bytes_copied, met.h2d_bytes_copied, met.disk_bytes_written, met.disk_bytes_read)
         if name == "fast":
-            pinned = emulate.is_pinned(m._connector._host.arena)  # the arena came from CudaPageStore.alloc_host
+            pinned = _is_pinned(emulated, m._connector._host.arena)  # the arena came from CudaPageStore.alloc_host
         m.shutdown()
     assert hits["fast"] == hits["ref"]
     assert hits["fast"][1] > 0 and hits["fast"][3] > 0  # reloads came from host and from disk

@@ -119,3 +119,39 @@ def test_cuda_slot_cache_end_to_end():  # pragma: no cover - needs a GPU
     a = kvref.ops.varlen_attention(q, r, 0, sr)
     b = cp.asnumpy(kvfast.ops.varlen_attention(cp.asarray(q), f, 0, sf))
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+# The device="cuda" checks CI runs on the emulated device (tests/test_kvfast_cuda_emulated.py),
+# here on the real one: same bodies, the real CuPy.
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_ops_match_kvref_every_dtype(dtype):  # pragma: no cover - needs a GPU
+    from kvspec import KVCacheMode
+    from test_kvfast_cuda_emulated import test_ops_on_cuda_match_kvref
+
+    for mode in (KVCacheMode.PAGED, KVCacheMode.CONTIGUOUS):
+        for src in ("float32", "float64", "same"):
+            test_ops_on_cuda_match_kvref(cp, dtype, mode, src)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_tiered_manager_reloads_written_bytes(dtype, tmp_path):  # pragma: no cover - needs a GPU
+    from test_kvfast_cuda_emulated import test_tiered_manager_on_cuda_offloads_evicts_and_reloads as body
+
+    body(cp, tmp_path, dtype)
+
+
+def test_cuda_manager_differential_machine():  # pragma: no cover - needs a GPU
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from kvfast._backend import conformance_backend
+    from kvspec.conformance.manager_machine import ManagerComparison
+
+    run_state_machine_as_test(ManagerComparison.for_backend(conformance_backend().on_device("cuda:0")))
+
+
+def test_cuda_page_store_round_trip():  # pragma: no cover - needs a GPU
+    from test_kvfast_cuda_emulated import test_cuda_page_store
+
+    test_cuda_page_store(cp)
