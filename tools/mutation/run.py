@@ -19,7 +19,9 @@ touched, so it is safe next to other work):
    absolute checks must notice), with ``PYTHONPATH`` on the copy;
 3. ``cosmic-ray init`` enumerates every mutant of the target's modules; with
    ``--sample N`` all but a deterministic sample of N (``--seed``) are marked
-   skipped, so a run fits in the time there is;
+   skipped, so a run fits in the time there is; mutants inside statements
+   marked ``pragma: no cover`` (GPU-only code) are skipped unless
+   ``--all-lines``; ``--only-from`` keeps only the mutants an earlier session ran;
 4. runs the unmutated suite once (it must pass), then ``cosmic-ray exec``;
 5. writes ``report.json`` and ``survivors.md`` (each surviving mutant's diff)
    into the workdir and prints the score.
@@ -76,26 +78,96 @@ def copy_tree(workdir: Path, rev: str | None) -> None:
         shutil.copytree(ROOT / "tools" / "mutation", workdir / "tools" / "mutation", ignore=_ignore, dirs_exist_ok=True)
 
 
+#: What ``--suite`` swaps: the conformance package and the strategies it draws from.
+_SUITE = ("spec/kvspec/conformance", "spec/kvspec/strategies.py")
+
+
 def replace_suite(workdir: Path, suite: str) -> None:
-    """Put the conformance suite (``spec/``) of ``suite`` (a revision, or
-    ``worktree``) into the copy, keeping the mutated packages' revision: the
+    """Put the conformance suite of ``suite`` (a revision, or ``worktree``) into
+    the copy, keeping everything else at the mutated packages' revision: the
     same mutants judged by two versions of the suite."""
-    shutil.rmtree(workdir / "spec")
+    for rel in _SUITE:
+        target = workdir / rel
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
     if suite == "worktree":
-        shutil.copytree(ROOT / "spec", workdir / "spec", ignore=_ignore)
+        for rel in _SUITE:
+            src = ROOT / rel
+            if src.is_dir():
+                shutil.copytree(src, workdir / rel, ignore=_ignore)
+            else:
+                shutil.copy2(src, workdir / rel)
     else:
-        tar = subprocess.run(["git", "archive", suite, "spec"], cwd=ROOT, capture_output=True, check=True).stdout
+        tar = subprocess.run(["git", "archive", suite, *_SUITE], cwd=ROOT, capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", str(workdir)], input=tar, check=True)
+
+
+def _key(item) -> tuple:
+    m = item.mutations[0]
+    return (str(m.module_path), tuple(m.start_pos), m.operator_name, m.occurrence)
+
+
+def _no_cover_lines(path: Path) -> set[int]:
+    """Lines of ``path`` inside a statement whose first line says ``pragma: no cover``
+    (the GPU-only branches and kernels: no CPU test can run them)."""
+    import ast
+
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    out: set[int] = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.stmt) and "pragma: no cover" in lines[node.lineno - 1]:
+            out.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    return out
+
+
+def skip_no_cover(db_path: Path, workdir: Path) -> int:
+    """Mark mutants on ``pragma: no cover`` lines as skipped; returns how many."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    cache: dict[str, set[int]] = {}
+    n = 0
+    with use_db(str(db_path), WorkDB.Mode.open) as db:
+        for item in list(db.pending_work_items):
+            m = item.mutations[0]
+            path = str(m.module_path)
+            if path not in cache:
+                cache[path] = _no_cover_lines(workdir / path)
+            if m.start_pos[0] in cache[path]:
+                db.set_result(item.job_id, WorkResult(output="pragma: no cover", worker_outcome=WorkerOutcome.SKIPPED))
+                n += 1
+    return n
+
+
+def restrict_to(db_path: Path, other: Path) -> int:
+    """Skip every pending mutant that did not run in the session ``other`` (a
+    before/after comparison over exactly the same mutants). Returns how many remain."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    with use_db(str(other), WorkDB.Mode.open) as db:
+        ran = {_key(item) for item, result in db.completed_work_items if result.worker_outcome != WorkerOutcome.SKIPPED}
+    left = 0
+    with use_db(str(db_path), WorkDB.Mode.open) as db:
+        for item in list(db.pending_work_items):
+            if _key(item) in ran:
+                left += 1
+            else:
+                db.set_result(item.job_id, WorkResult(output="not in --only-from", worker_outcome=WorkerOutcome.SKIPPED))
+    return left
     # kvspec.vectors lives in spec/vectors (package-dir mapping); make it importable from the copy.
     vec = workdir / "spec" / "kvspec" / "vectors"
     if not vec.exists():
         shutil.copytree(ROOT / "spec" / "vectors", vec, ignore=_ignore)
 
 
-def write_config(workdir: Path, modules: list[str], backend: str, timeout: float) -> Path:
+def write_config(workdir: Path, modules: list[str], backend: str, timeout: float, extra: list[str]) -> Path:
     cfg = workdir / "cosmic-ray.toml"
     paths = ", ".join(json.dumps(m) for m in modules)
-    cmd = f"{sys.executable} tools/mutation/kill.py --kv-backend={backend}"
+    cmd = " ".join([sys.executable, "tools/mutation/kill.py", f"--kv-backend={backend}", *extra])
     cfg.write_text(
         "[cosmic-ray]\n"
         f"module-path = [{paths}]\n"
@@ -119,11 +191,7 @@ def sample_items(db_path: Path, n: int | None, seed: int) -> int:
         if n is None or n >= len(items):
             return len(items)
 
-        def key(item):
-            m = item.mutations[0]
-            return (str(m.module_path), tuple(m.start_pos), m.operator_name, m.occurrence)
-
-        items.sort(key=key)
+        items.sort(key=_key)
         keep = {id(x) for x in random.Random(seed).sample(items, n)}
         for item in items:
             if id(item) not in keep:
@@ -177,6 +245,12 @@ def main(argv=None) -> int:
     ap.add_argument("--worktree", action="store_true", help="mutate the working tree instead of --rev")
     ap.add_argument("--suite", default=None,
                     help="take the suite (spec/) from this revision or 'worktree' (default: with the packages)")
+    ap.add_argument("--only-from", type=Path, default=None,
+                    help="run only the mutants that ran in this earlier session.sqlite (before/after comparisons)")
+    ap.add_argument("--kill-arg", action="append", default=[],
+                    help="extra pytest argument of the kill command (repeatable), e.g. --deselect=<node id>")
+    ap.add_argument("--all-lines", action="store_true",
+                    help="also mutate `pragma: no cover` (GPU-only) code, which the CPU suite cannot run")
     ap.add_argument("--resume", action="store_true", help="continue an interrupted run in --workdir")
     args = ap.parse_args(argv)
     if args.sample is not None and args.sample < 1:
@@ -191,13 +265,24 @@ def main(argv=None) -> int:
         copy_tree(workdir, None if args.worktree else args.rev)
         if args.suite:
             replace_suite(workdir, args.suite)
-        cfg = write_config(workdir, modules, args.backend, args.timeout)
+        cfg = write_config(workdir, modules, args.backend, args.timeout, args.kill_arg)
         subprocess.run(["cosmic-ray", "init", str(cfg), str(db)], cwd=workdir, env=env, check=True)
         total = sample_items(db, args.sample, args.seed)
-        print(f"mutation: {total} mutants of {len(modules)} modules; running "
-              f"{args.sample if args.sample and args.sample < total else total}", flush=True)
+        running = args.sample if args.sample and args.sample < total else total
+        if not args.all_lines:
+            gpu = skip_no_cover(db, workdir)
+            print(f"mutation: {gpu} mutants on `pragma: no cover` (GPU-only) lines skipped", flush=True)
+            running = None
+        if args.only_from is not None:
+            running = restrict_to(db, args.only_from.resolve())
+        if running is None:
+            from cosmic_ray.work_db import WorkDB, use_db
+
+            with use_db(str(db), WorkDB.Mode.open) as d:
+                running = sum(1 for _ in d.pending_work_items)
+        print(f"mutation: {total} mutants of {len(modules)} modules; running {running}", flush=True)
         t0 = time.time()
-        base = subprocess.run([sys.executable, "tools/mutation/kill.py", f"--kv-backend={args.backend}"],
+        base = subprocess.run([sys.executable, "tools/mutation/kill.py", f"--kv-backend={args.backend}", *args.kill_arg],
                               cwd=workdir, env=env, capture_output=True, text=True)
         if base.returncode != 0:
             print(base.stdout[-4000:], base.stderr[-2000:], sep="\n")

@@ -367,3 +367,23 @@ def test_prefill_hashes_equal_decode_hashes(kv_backend, kv_oracle, algo, salt):
     assert _hits(p, full, salt) == [PrefixCacheHits(7, 0)], "decode- and prefill-hashed blocks form one chain"
     assert _hits(p, full, other) == [PrefixCacheHits(0, 0)], "another salt shares nothing"
     p.agree()
+
+
+def test_step_past_the_rows_is_refused(kv_backend, kv_oracle):
+    """spec/manager.md §5: a forward that ran past the allocated rows (no ``alloc``
+    before it, or one page short) makes ``step`` raise ``ValueError`` naming both
+    counts, state unchanged; after the ``alloc`` the same step succeeds."""
+    p = _pair(kv_backend, kv_oracle, page=2)
+    _claim(p, "a", [1, 2, 3])
+    for cs in (p.ctx_ref, p.ctx_sut):
+        cs["a"].update(4)  # a "forward" of 3 tokens without alloc: no rows at all
+    msg = p.raises("manager.step(ctx_a)  # no alloc", lambda m, cs: m.step(cs["a"]), ValueError)
+    assert "processed_length=3 > 0 tokens" in msg, msg
+    _claim(p, "b", [1, 2])
+    _run(p, "b", token=3, seed=1)
+    for t in (4, 5):  # decode without alloc: the second token needs a page b does not hold
+        for cs in (p.ctx_ref, p.ctx_sut):
+            cs["b"].update(t)
+    msg = p.raises("manager.step(ctx_b)  # one page short", lambda m, cs: m.step(cs["b"]), ValueError)
+    assert "processed_length=4 > 2 tokens" in msg, msg
+    p.agree()
