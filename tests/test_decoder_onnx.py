@@ -30,8 +30,16 @@ import kvref  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-from decoder import (Decoder, DecoderConfig, ManagerServer, OrtDecoder, SlotCacheServer,  # noqa: E402
-                     chat_workload, compare, reference_run)
+from decoder import (  # noqa: E402
+    Decoder,
+    DecoderConfig,
+    ManagerServer,
+    OrtDecoder,
+    SlotCacheServer,
+    chat_workload,
+    compare,
+    reference_run,
+)
 
 PKGS = {"kvref": kvref, "kvfast": kvfast}
 FULL = (None, None, None)
@@ -187,7 +195,8 @@ def test_compare_rejects_a_changed_token():
 
 
 def test_the_serving_page_runs_as_written(monkeypatch):
-    text = open(os.path.join(ROOT, "docs", "serving-a-model.md"), encoding="utf-8").read()
+    with open(os.path.join(ROOT, "docs", "serving-a-model.md"), encoding="utf-8") as f:
+        text = f.read()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert len(blocks) >= 3
     monkeypatch.chdir(ROOT)

@@ -8,10 +8,17 @@
 Run from the repository root with ``examples`` on ``sys.path`` (``python -m decoder`` inside ``examples/``).
 """
 
-from .model import (Decoder, DecoderConfig, DecoderWeights, PagedTableAttention, SlotCacheAttention,
-                    layer_specs_for)
-from .serve import (ManagerServer, Request, ServeResult, ServeStats, SlotCacheServer, chat_workload, compare,
-                    reference_run)
+from .model import Decoder, DecoderConfig, DecoderWeights, PagedTableAttention, SlotCacheAttention, layer_specs_for
+from .serve import (
+    ManagerServer,
+    Request,
+    ServeResult,
+    ServeStats,
+    SlotCacheServer,
+    chat_workload,
+    compare,
+    reference_run,
+)
 
 __all__ = ["Decoder", "DecoderConfig", "DecoderWeights", "PagedTableAttention", "SlotCacheAttention",
            "layer_specs_for", "ManagerServer", "Request", "ServeResult", "ServeStats", "SlotCacheServer",

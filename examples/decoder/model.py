@@ -20,8 +20,9 @@ cached history. Two bindings are here:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 

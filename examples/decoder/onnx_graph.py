@@ -80,7 +80,6 @@ def build_onnx_model(cfg: DecoderConfig, w: DecoderWeights, kv_round: Optional[s
         node("Sub", ["total_i64", "S"], ["past_len"])
         node("Range", ["past_len", "total_i64", init("step_i64", np.array(1, np.int64))], ["pos_1d"])
         node("Unsqueeze", ["pos_1d", init("axes0", np.array([0], np.int64))], ["position_ids"])
-    kvd = cfg.kv_heads * cfg.head_dim
     for l in range(cfg.num_layers):
         p = f"l{l}_"
         for kind in ("key", "value"):
@@ -121,7 +120,6 @@ def build_onnx_model(cfg: DecoderConfig, w: DecoderWeights, kv_round: Optional[s
         x = node("Add", [x, d], [p + "x_out"])
     h = rms(x, w.final_norm, "final_norm")
     node("MatMul", [h, init("lm_head", w.lm_head)], ["logits"])
-    del kvd
     graph = helper.make_graph(nodes, "kvcache_toy_decoder", inputs, outputs, inits)
     opsets = [helper.make_opsetid("", 23), helper.make_opsetid("com.microsoft", 1)]
     return helper.make_model(graph, opset_imports=opsets, ir_version=10)

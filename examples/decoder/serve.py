@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Optional
 
 import numpy as np
 
@@ -462,7 +463,7 @@ class ManagerServer:
                     except kv.InsufficientBlocksError:
                         if len(running) == 1:
                             raise RuntimeError("ManagerServer: one request does not fit the pool; "
-                                               f"num_blocks is too small") from None
+                                               "num_blocks is too small") from None
                         victim = running.pop()
                         mgr.release(victim.ctx)         # its committed pages stay cached
                         victim.ctx.reset()
