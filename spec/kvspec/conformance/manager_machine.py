@@ -25,7 +25,7 @@ from .._manager_types import DEFAULT_LEAF_ID, TextContext
 from ._backend import Backend, BackendBound
 from ._compare import assert_same, assert_same_outcome, begin_reproduction, capture, record, to_numpy
 
-__all__ = ["ManagerComparison", "write_forward", "manager_snapshot", "context_state"]
+__all__ = ["ManagerComparison", "write_forward", "forward_values", "manager_snapshot", "context_state"]
 
 _RARE = st.sampled_from([False] * 7 + [True])
 
@@ -41,9 +41,17 @@ def context_state(ctx: TextContext) -> dict:
     }
 
 
+def forward_values(n: int, params, seed: int) -> np.ndarray:
+    """The K/V a forward of ``n`` tokens writes: ``[n, 2, num_layers, kv_heads, head_dim]``,
+    K (``[:, 0]``) and V (``[:, 1]``) non-zero and different in every element
+    (``kvspec.strategies.distinct_pair``), so V stored as K never passes."""
+    k, v = kst.distinct_pair((n, params.num_layers, params.kv_heads, params.head_dim), params.dtype, seed)
+    return np.stack([k, v], axis=1)
+
+
 def write_forward(manager, ctx: TextContext, seed: int, replica_idx: int = 0) -> None:
     """Write K/V for ``ctx``'s active tokens into the pages it holds (the work a
-    forward does through the lookup table). Values are ``exact_values(seed)``."""
+    forward does through the lookup table). Values are ``forward_values(n, params, seed)``."""
     params = manager.params
     page = params.page_size
     rows = manager.get_req_blocks_per_leaf(ctx)[DEFAULT_LEAF_ID]
@@ -51,7 +59,7 @@ def write_forward(manager, ctx: TextContext, seed: int, replica_idx: int = 0) ->
     if isinstance(buf, dict):
         buf = buf[DEFAULT_LEAF_ID]
     start, n = ctx.processed_length, ctx.active_length
-    kv = kst.exact_values((n, 2, params.num_layers, params.kv_heads, params.head_dim), params.dtype, seed)
+    kv = forward_values(n, params, seed)
     for j in range(n):
         p = start + j
         blk = rows[p // page]
@@ -61,9 +69,9 @@ def write_forward(manager, ctx: TextContext, seed: int, replica_idx: int = 0) ->
         if isinstance(buf, np.ndarray):
             buf[blk, :, :, p % page] = row
         else:  # pragma: no cover - GPU arrays
-            import cupy
+            from ._compare import to_device
 
-            buf[blk, :, :, p % page] = cupy.asarray(row)
+            buf[blk, :, :, p % page] = to_device(row)
 
 
 def manager_snapshot(manager, contexts, *, strict: bool) -> dict:

@@ -14,7 +14,7 @@ from kvspec import InsufficientBlocksError, KVCacheParams, PrefixCacheHits, Text
 from kvspec.conformance._compare import assert_same, to_numpy
 from kvspec.conformance._harness import ManagerPair, ManualConnector
 from kvspec.conformance.plugin import require
-from kvspec.strategies import exact_values
+from kvspec.conformance.manager_machine import forward_values
 
 
 def _pair(backend, oracle, *, connectors=(None, None), page=2, num_blocks=12, max_seq_len=16, **params):
@@ -170,7 +170,7 @@ def test_onload_published_only_after_it_lands(kv_backend, kv_oracle):
     assert _hits(p, prompt)[0].device_blocks == 4, "after landing the 4 loaded pages are device hits"
     rows = p.sut.get_req_blocks_per_leaf(p.ctx_sut["b"])["full"]
     buf = to_numpy(p.sut.get_device_buffer(0))
-    want = exact_values((9, 2, 1, 1, 2), "float32", 21)
+    want = forward_values(9, p.params, 21)
     for pos in range(8):
         assert_same(want[pos], buf[rows[pos // 2], :, :, pos % 2], f"K/V of position {pos} after the onload")
     p.agree()
