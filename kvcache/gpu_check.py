@@ -197,10 +197,10 @@ def _manager(cp, sz: dict) -> dict:
             "us_per_request": t * 1e6 / batch}
 
 
-def _run_tests(pytest_args: Sequence[str], timeout: float) -> dict:
+def _run_tests(pytest_args: Sequence[str], timeout: float, paths: Sequence[str] = ()) -> dict:
     root = Path(__file__).resolve().parent.parent
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", str(root / "tests"),
-           *pytest_args]
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+           *([str(root / p) for p in paths] or [str(root / "tests")]), *pytest_args]
     t0 = time.perf_counter()
     try:
         env = dict(os.environ)
@@ -217,7 +217,7 @@ def _run_tests(pytest_args: Sequence[str], timeout: float) -> dict:
 
 
 def run_check(*, tiny: bool = False, run_tests: bool = True, pytest_args: Sequence[str] = (),
-              peak_tbps: float = 4.8, test_timeout: float = 180.0) -> dict:
+              peak_tbps: float = 4.8, test_timeout: float = 180.0, test_paths: Sequence[str] = ()) -> dict:
     """Run the GPU check; the results as a dict (what ``--json`` writes).
 
     Parameters
@@ -232,6 +232,8 @@ def run_check(*, tiny: bool = False, run_tests: bool = True, pytest_args: Sequen
         HBM peak in TB/s for the ``*_vs_peak`` fractions (H200: 4.8).
     test_timeout : float
         Seconds the pytest run may take.
+    test_paths : sequence of str
+        Test files or directories, relative to the repository (default ``tests``).
 
     Raises
     ------
@@ -259,7 +261,7 @@ def run_check(*, tiny: bool = False, run_tests: bool = True, pytest_args: Sequen
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }
     if run_tests:
-        out["tests"] = _run_tests(pytest_args, test_timeout)
+        out["tests"] = _run_tests(pytest_args, test_timeout, test_paths)
     peak = peak_tbps * 1e12
     out["append_decode"] = _append(cp, sz, prefill=False, peak=peak)
     out["append_prefill"] = _append(cp, sz, prefill=True, peak=peak)
@@ -320,10 +322,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--pytest-args", default="", help="more pytest arguments, one string (e.g. '-k launchers')")
     p.add_argument("--peak-tbps", type=float, default=4.8, help="HBM peak in TB/s (default 4.8, H200)")
     p.add_argument("--test-timeout", type=float, default=180.0, help="seconds for the pytest run (default 180)")
+    p.add_argument("--test-paths", nargs="*", default=[], metavar="PATH",
+                   help="test files or directories for the pytest run (default: tests)")
     args = p.parse_args(argv)
     try:
         res = run_check(tiny=args.tiny, run_tests=not args.no_tests, pytest_args=args.pytest_args.split(),
-                        peak_tbps=args.peak_tbps, test_timeout=args.test_timeout)
+                        peak_tbps=args.peak_tbps, test_timeout=args.test_timeout, test_paths=args.test_paths)
     except (RuntimeError, ValueError) as e:
         print(f"kvcache gpu-check: {e}", file=sys.stderr)
         return 2

@@ -77,17 +77,18 @@ def test_variable_selects_emulation_and_nothing_else_does():
     off = _run(code)
     assert off.returncode == 0, off.stderr
     assert off.stdout.strip() == "False"
-    zero = _run(code, KVFAST_CUDA_EMULATE="0")
-    assert zero.stdout.strip() == "False"
 
 
-def test_info_states_emulation():
-    on = _run("from kvcache.cli import main; main(['info'])", KVFAST_CUDA_EMULATE="1")
-    assert on.returncode == 0, on.stderr
-    assert "KVFAST_CUDA_EMULATE=1" in on.stdout and "emulated" in on.stdout
-    off = _run("from kvcache.cli import main; main(['info'])")
-    assert off.returncode == 0, off.stderr
-    assert "emulated" not in off.stdout
+def test_info_states_emulation(emulated, monkeypatch, capsys):
+    from kvcache.cli import main
+
+    assert main(["info"]) == 0
+    on = capsys.readouterr().out
+    assert "cuda emulation: ON (KVFAST_CUDA_EMULATE=1)" in on and "emulated CUDA device" in on
+    monkeypatch.delenv("KVFAST_CUDA_EMULATE")
+    monkeypatch.setattr("kvcache.cli.gpu_status", lambda: (False, "CuPy is not installed"))
+    assert main(["info"]) == 0
+    assert "emulat" not in capsys.readouterr().out
 
 
 # --------------------------------------------------------------------------- the stand-in itself
@@ -148,15 +149,16 @@ def test_bf16_bits_equal_ml_dtypes(emulated, src):
         x = np.concatenate([rng.integers(0, 2**32, 100_000, dtype=np.uint64).astype(np.uint32).view(np.float32),
                             ((np.arange(2**16, dtype=np.uint32) << 16) | 0x8000).view(np.float32)])  # every tie
     elif src == "float64":
-        ties = ((np.arange(2**16, dtype=np.uint32) << 16) | 0x8000).view(np.float32).astype(np.float64)
         with np.errstate(invalid="ignore", over="ignore"):
+            ties = ((np.arange(2**16, dtype=np.uint32) << 16) | 0x8000).view(np.float32).astype(np.float64)
             x = np.concatenate([rng.integers(0, 2**64, 100_000, dtype=np.uint64).view(np.float64),
                                 ties * (1 + 2.0**-40), ties * (1 - 2.0**-40), [1 + 2**-8 + 2**-30, 3.5e38, 1e-41]])
     else:
         x = np.arange(2**16, dtype=np.uint16).view(np.float16)  # every float16
     with np.errstate(invalid="ignore", over="ignore"):
         want = x.astype(ml_dtypes.bfloat16).view(np.uint16)
-    got = float_to_bf16_bits(cp.asarray(x)).get()
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN and out-of-range float64 inputs, on purpose
+        got = float_to_bf16_bits(cp.asarray(x)).get()
     assert got.tobytes() == want.tobytes()
 
 
