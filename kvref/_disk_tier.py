@@ -475,7 +475,11 @@ class DiskTier(EntryIndex):
         files: list[tuple[int, bytes, np.ndarray, int]] = []
         hlen = header_len(self.page_size)
         for top in os.scandir(self.root):
-            if top.name == METADATA_NAME or (top.name.startswith(f".{METADATA_NAME}.") and top.name.endswith(TEMP_SUFFIX)):
+            if top.name == METADATA_NAME:
+                continue
+            if top.name.startswith(f".{METADATA_NAME}.") and top.name.endswith(TEMP_SUFFIX):
+                remove_entry(top.path)  # a metadata write that never reached os.replace
+                found.temp_removed += 1
                 continue
             if not re.fullmatch(r"[0-9a-f]{2}", top.name):
                 found.foreign += 1
