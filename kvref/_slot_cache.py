@@ -25,6 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from kvspec import CapacityError, KVCacheConfig, KVCacheMode, KVLayerSpec, LayerKind, StepIndices
+from kvspec._interop import host_array
 from kvspec._config import INT32_MAX, parse_device
 from kvspec.engine import (
     STEP_CU0, STEP_NOT_INCREASING, STEP_OK, STEP_PAST_MISMATCH, STEP_SLOT_DUP, STEP_SLOT_RANGE, STEP_TOTAL,
@@ -113,7 +114,7 @@ def _float_tensor(api: str, name: str, value, shape_hint: str) -> np.ndarray:
 
     Device arrays (``__cuda_array_interface__``) are checked in place, not copied to the host.
     """
-    arr = value if hasattr(value, "__cuda_array_interface__") else np.asarray(value)
+    arr = value if hasattr(value, "__cuda_array_interface__") else host_array(value)  # torch too (bfloat16)
     if arr.dtype.kind != "f" and arr.dtype.name != "bfloat16":
         raise TypeError(f"{api}: {name} dtype={arr.dtype}, must be a floating type {shape_hint}")
     return arr

@@ -119,3 +119,17 @@ def test_to_torch_of_emulated_device_storage(emulated):
     assert t.dtype == torch.bfloat16 and t.tolist() == [1.5, -2.0]
     t[0] = 4.0
     assert int(words[0]) == 0x4080  # shared: the emulated device is host memory, exported as such
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_fill_accepts_torch_bfloat16(emulated, device):
+    for mod in (kvref, kvfast) if device == "cpu" else (kvfast,):
+        cfg = KVCacheConfig(num_layers=1, max_seqs=2, max_seq_len=8, mode=KVCacheMode.PAGED, block_size=4,
+                            dtype="bfloat16", device=device)
+        cache = mod.KVCache.make(cfg, [KVLayerSpec.cross_attention(2, 4, 6)])
+        k = torch.randn(3, 2, 4, dtype=torch.bfloat16)
+        cache.fill(0, 1, k, k * 2)
+        from kvspec.conformance._compare import to_numpy
+
+        got = to_numpy(cache.keys(0))[1, :3].view(np.uint16)
+        assert got.tobytes() == k.view(torch.int16).numpy().tobytes()
