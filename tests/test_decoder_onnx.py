@@ -75,7 +75,8 @@ def reference_for(windows, kv_round):
     key = (windows, kv_round)
     if key not in _REFS:
         m = model_for(windows)
-        _REFS[key] = reference_run(OrtDecoder(m.config, m.weights, kv_round=kv_round), chat_workload(m.config.vocab_size))
+        _REFS[key] = reference_run(OrtDecoder(m.config, m.weights, kv_round=kv_round),
+                                   chat_workload(m.config.vocab_size))
     return _REFS[key]
 
 
@@ -129,7 +130,8 @@ def test_kvref_and_kvfast_make_the_same_decisions(variant):
 def test_bfloat16_storage_against_float32_onnx_runtime():
     """bfloat16 K/V against the float32 graph: the first token of every first turn within 0.25 (measured)."""
     model = model_for(FULL)
-    result = SlotCacheServer(kvref, model, num_blocks=20, dtype="bfloat16").serve(chat_workload(model.config.vocab_size))
+    server = SlotCacheServer(kvref, model, num_blocks=20, dtype="bfloat16")
+    result = server.serve(chat_workload(model.config.vocab_size))
     reference = reference_for(FULL, None)
     firsts = [rid for rid in reference.tokens if "." not in rid]
     diffs = [float(np.max(np.abs(result.logits[r][0] - reference.logits[r][0]))) for r in firsts]

@@ -1,4 +1,5 @@
-"""``python -m decoder`` (inside ``examples/``): serve the chat workload on kvref and kvfast, compare with ONNX Runtime."""
+"""``python -m decoder`` (inside ``examples/``): serve the chat workload on kvref and kvfast,
+compare with ONNX Runtime."""
 
 import kvfast
 import kvref

@@ -227,7 +227,8 @@ class Decoder:
         tokens = np.asarray(tokens, dtype=np.int64)
         positions = np.asarray(positions, dtype=np.int64)
         if tokens.ndim != 1 or positions.shape != tokens.shape:
-            raise ValueError(f"Decoder.forward: tokens.shape={tokens.shape} and positions.shape={positions.shape} must be equal 1-D")
+            raise ValueError(f"Decoder.forward: tokens.shape={tokens.shape} and positions.shape={positions.shape} "
+                             "must be equal and 1-D")
         if tokens.size and (tokens.min() < 0 or tokens.max() >= cfg.vocab_size):
             bad = int(tokens[(tokens < 0) | (tokens >= cfg.vocab_size)][0])
             raise ValueError(f"Decoder.forward: token id {bad} out of range [0, vocab_size={cfg.vocab_size})")
@@ -313,7 +314,8 @@ class PagedTableAttention:
                  layer_leaf: Optional[Sequence[str]] = None):
         if isinstance(inputs, dict):
             if layer_leaf is None or len(layer_leaf) != len(windows):
-                raise ValueError(f"PagedTableAttention: layer_leaf={layer_leaf!r} must name a leaf for each of {len(windows)} layers")
+                raise ValueError(f"PagedTableAttention: layer_leaf={layer_leaf!r} must name a leaf for each of "
+                                 f"{len(windows)} layers")
             self.per_layer = [inputs[leaf] for leaf in layer_leaf]
         else:
             self.per_layer = [inputs] * len(windows)
@@ -323,7 +325,8 @@ class PagedTableAttention:
         self.windows = list(windows)
         self.page = first.kv_blocks.shape[3]
         if self.past.size != self.q_lens.size:
-            raise ValueError(f"PagedTableAttention: cache_lengths has {self.past.size} rows != len(q_lens)={self.q_lens.size}")
+            raise ValueError(f"PagedTableAttention: cache_lengths has {self.past.size} rows "
+                             f"!= len(q_lens)={self.q_lens.size}")
         cu = np.concatenate([[0], np.cumsum(self.q_lens)])
         self.row_of = np.repeat(np.arange(self.q_lens.size), self.q_lens)
         self.positions = self.past[self.row_of] + (np.arange(cu[-1]) - cu[self.row_of])

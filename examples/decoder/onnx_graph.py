@@ -84,7 +84,8 @@ def build_onnx_model(cfg: DecoderConfig, w: DecoderWeights, kv_round: Optional[s
         p = f"l{l}_"
         for kind in ("key", "value"):
             inputs.append(helper.make_tensor_value_info(f"past_{kind}_{l}", f32, [1, cfg.kv_heads, "P", cfg.head_dim]))
-            outputs.append(helper.make_tensor_value_info(f"present_{kind}_{l}", f32, [1, cfg.kv_heads, "T", cfg.head_dim]))
+            outputs.append(helper.make_tensor_value_info(f"present_{kind}_{l}", f32,
+                                                         [1, cfg.kv_heads, "T", cfg.head_dim]))
         h = rms(x, w.attn_norm[l], p + "attn_norm")
         q = node("MatMul", [h, init(p + "wq", w.wq[l])], [p + "q"])
         k = node("MatMul", [h, init(p + "wk", w.wk[l])], [p + "k"])

@@ -411,8 +411,9 @@ class ManagerServer:
         (which pin pages) can free pages now; wait for them, else the pool is too small."""
         mgr = self.mgr
         if not mgr.pending_transfers_exist():
-            raise RuntimeError(f"ManagerServer: request {waiting[0].req.request_id if isinstance(waiting[0], _Live) else waiting[0].request_id!r} "
-                               f"does not fit an idle pool of {mgr.block_count().total} blocks")
+            head = waiting[0].req if isinstance(waiting[0], _Live) else waiting[0]
+            raise RuntimeError(f"ManagerServer: request_id={head.request_id!r} does not fit an idle pool of "
+                               f"{mgr.block_count().total} blocks")
         deadline = time.monotonic() + 30.0
         while mgr.pending_transfers_exist():
             if time.monotonic() > deadline:
@@ -455,8 +456,7 @@ class ManagerServer:
                 i = 0
                 while i < len(running):
                     live = running[i]
-                    if live.ctx.processed_length or live.ctx.cached_prefix_length == 0:
-                        self._chunk(live.ctx)
+                    self._chunk(live.ctx)                       # a prefill reads at most chunk_size tokens
                     try:
                         mgr.alloc(live.ctx)
                         i += 1
