@@ -22,10 +22,11 @@ rung        leading run of pages that were ...                               the
                                                                              or ``load_refused``
 ==========  ===============================================================  ==================
 
-The page at ``a0`` decides between ``in_flight`` (no request had computed it
+The page at ``a0`` decides between ``in_flight`` (no request had committed it
 yet: the requests that produce it were waiting or still running) and
-``preempted`` (a request had computed it but was preempted before it could
-commit it). ``evicted:device+host+...`` names every level the page was absent
+``preempted`` (a request that produces it had been preempted and was waiting
+or recomputing at this admission, or had computed it and was preempted
+before committing it). ``evicted:device+host+...`` names every level the page was absent
 from (the device pool and each configured tier); when the tier refused the
 load during this admission the gap is ``load_refused`` instead. A load that
 fails after admission moves the external tokens it would have brought to
@@ -97,6 +98,8 @@ class LostHits:
         self._salted: dict = {}
         self._checkpoints: set = set()
         self._preempted: set = set()
+        #: requests preempted and not finished yet -> their page ids as a set
+        self._set_back: dict[int, set] = {}
         self._committed = np.zeros(len(page_ids), dtype=np.int64)
         #: cause -> lost tokens
         self.tokens: dict[str, int] = {}
@@ -132,9 +135,20 @@ class LostHits:
         if n > c:
             self._preempted.update(self.page_ids[i][c:n].tolist())
         self._committed[i] = 0
+        self._set_back[i] = set(self.page_ids[i].tolist())
 
-    def admit(self, i: int, replica: int, hit_tokens: int, refused: bool) -> None:
-        """Request ``i`` was first admitted on ``replica`` with ``hit_tokens``; attribute its loss."""
+    def finish(self, i: int) -> None:
+        """Request ``i`` produced all its tokens and was released."""
+        self._set_back.pop(i, None)
+
+    def _lost_to_preemption(self, page: int) -> bool:
+        return page in self._preempted or any(page in ids for ids in self._set_back.values())
+
+    def admit(self, i: int, replica: int, hit_tokens: int, load: str | None = None) -> None:
+        """Request ``i`` was first admitted on ``replica`` with ``hit_tokens``; attribute its loss.
+
+        ``load`` is ``"load_refused"`` or ``"load_failed"`` when the tier refused or failed this
+        admission's load (the manager then spliced the device hit only)."""
         ps = self.page_size
         c = int(self.ceiling_pages[i])
         h = hit_tokens // ps
@@ -166,11 +180,11 @@ class LostHits:
             rungs[j] = min(rungs[j], rungs[j - 1])
         c, a0, a, b, k, h = rungs
         if c > a0:
-            self._add("preempted" if int(ids[a0]) in self._preempted else "in_flight", c - a0)
+            self._add("preempted" if self._lost_to_preemption(int(ids[a0])) else "in_flight", c - a0)
         self._add("isolated_by_salt", a0 - a)
         self._add("other_replica", a - b)
         self._add("no_checkpoint", b - k)
-        self._add("load_refused" if refused else self.evicted, k - h)
+        self._add(load or self.evicted, k - h)
 
     def load_failed(self, tokens: int) -> None:
         """A first admission's onload of ``tokens`` external tokens failed."""

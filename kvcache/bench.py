@@ -17,6 +17,12 @@ their ratio (best of ``repeat`` timings of each):
   way ``benchmarks/kvfast_adapter.py`` drives it, on the first
   ``replay_requests`` requests; kvref time over kvfast time (target >= 10).
   Hit tokens and peak blocks of both are reported and must agree.
+* ``manager <configuration>`` (issue 12): one row per configuration (one
+  full leaf; ``data_parallel_degree=2``; host tier; full + sliding window;
+  full + recurrent), a scheduler loop calling ``claim``, ``alloc``,
+  ``runtime_inputs`` every step, ``step`` and ``release``; kvref time over
+  kvfast time (target >= 10) and kvfast's per-request time over its one-full-
+  leaf figure (target <= 2); hits and peak blocks must agree.
 
 Run ``kvcache bench`` (or ``python -m kvcache.bench``); ``--quick`` shrinks
 the repetitions for a smoke run; ``--json PATH`` writes ``{"metadata": ..., "rows": [...]}``
@@ -263,6 +269,134 @@ def _replay_case(num_requests: int, repeat: int) -> dict:
     }
 
 
+# --------------------------------------------------------------------------- manager configurations
+
+#: The configurations of issue 12's table: ``name -> KVCacheParams keyword arguments``.
+MANAGER_CONFIGS = {
+    "one full leaf": {},
+    "data_parallel_degree=2": {"data_parallel_degree": 2},
+    "host tier": {"host_offload_bytes": 64 << 20},
+    "full + sliding window": {"leaves": "swa"},
+    "full + recurrent": {"leaves": "rec"},
+}
+
+
+def manager_params(config: str, page: int = BLOCK_SIZE):
+    """The ``KVCacheParams`` of one row of :data:`MANAGER_CONFIGS` (a small page geometry)."""
+    from kvspec import KVCacheParams, LeafSpec
+
+    kw = dict(MANAGER_CONFIGS[config])
+    leaves = kw.pop("leaves", None)
+    if leaves == "swa":
+        kw["leaves"] = {"full": LeafSpec.full(), "swa": LeafSpec.sliding_window(128)}
+    elif leaves == "rec":
+        kw["leaves"] = {"full": LeafSpec.full(), "rec": LeafSpec.recurrent((2, 4, 4))}
+    return KVCacheParams(page_size=page, num_layers=1, kv_heads=1, head_dim=8, **kw)
+
+
+def config_workload(num_requests: int, seed: int = 7):
+    """Requests sharing 8 system prompts of 512 tokens, suffixes of 64..512 tokens, 16 sampled
+    tokens each (a routing-free mix: request ``i`` goes to replica ``i % dp``)."""
+    rng = np.random.default_rng(seed)
+    prefixes = rng.integers(0, VOCAB, size=(8, 512), dtype=np.int64)
+    prompts = [np.concatenate([prefixes[rng.integers(0, 8)], rng.integers(0, VOCAB, int(rng.integers(64, 513)))])
+               for _ in range(num_requests)]
+    return prompts, rng.integers(0, VOCAB, size=(num_requests, 17), dtype=np.int64)
+
+
+def scheduler_loop(manager_cls, config: str, prompts, gen, *, wave: int = 16, num_blocks: int = 1200) -> dict:
+    """Drive ``manager_cls`` the way a scheduler does (issue 12): per wave, ``claim`` + ``alloc``
+    (prefix hit), a prefill forward (chunked at a page boundary first when
+    ``chunk_alignment_tokens`` asks, so recurrent checkpoints publish), then 16 decode steps, each
+    ``alloc`` + ``runtime_inputs`` + ``update`` + ``step``; finally ``release``. Returns the
+    seconds spent in manager calls, hit tokens and peak blocks."""
+    from kvspec import TextContext
+
+    params = manager_params(config)
+    dp = params.data_parallel_degree
+    gc.collect()
+    m = manager_cls(params, num_blocks=num_blocks, max_batch_size=wave, max_seq_len=4096)
+    align = m.chunk_alignment_tokens
+    perf = time.perf_counter
+    busy = 0.0
+    hits = peak = 0
+    try:
+        for w0 in range(0, len(prompts), wave):
+            ids = list(range(w0, min(w0 + wave, len(prompts))))
+            ctxs = [TextContext(str(i), prompts[i]) for i in ids]
+            t0 = perf()
+            for i, ctx in zip(ids, ctxs):
+                m.claim(ctx, i % dp)
+                m.alloc(ctx)
+                hits += ctx.cached_prefix_length
+            busy += perf() - t0
+            for ctx in ctxs:
+                if align:  # a non-final chunk ending at a page boundary
+                    n = (ctx.current_position - 1) // align * align - ctx.processed_length
+                    if 1 <= n < ctx.active_length:
+                        ctx.chunk(n)
+            for s in range(gen.shape[1]):
+                t0 = perf()
+                if s:
+                    for ctx in ctxs:
+                        m.alloc(ctx)
+                m.runtime_inputs([[c for i, c in zip(ids, ctxs) if i % dp == r] for r in range(dp)])
+                busy += perf() - t0
+                for i, ctx in zip(ids, ctxs):  # the forward
+                    if ctx.pending_length:
+                        ctx.advance_chunk()
+                    else:
+                        ctx.update(int(gen[i, s]))
+                t0 = perf()
+                for ctx in ctxs:
+                    m.step(ctx)
+                busy += perf() - t0
+            peak = max(peak, max(m.block_count(r).used for r in range(dp)))
+            t0 = perf()
+            for ctx in ctxs:
+                m.release(ctx)
+            busy += perf() - t0
+        m.shutdown()
+    finally:
+        m.shutdown()
+    return {"seconds": busy, "hit_tokens": hits, "peak_blocks": peak}
+
+
+def _configs_case(num_requests: int, repeat: int) -> list[dict]:
+    import kvfast
+    import kvref
+
+    prompts, gen = config_workload(num_requests)
+    out = []
+    base = None
+    for config in MANAGER_CONFIGS:
+        scheduler_loop(kvfast.PagedKVCacheManager, config, prompts[:16], gen[:16])  # load the kernels
+        best, res = {}, {}
+        for r in range(repeat):
+            order = (("kvref", kvref.PagedKVCacheManager), ("kvfast", kvfast.PagedKVCacheManager))
+            for name, cls in order if r % 2 == 0 else order[::-1]:
+                res[name] = scheduler_loop(cls, config, prompts, gen)
+                best[name] = min(best.get(name, float("inf")), res[name]["seconds"])
+        same = res["kvref"]["hit_tokens"] == res["kvfast"]["hit_tokens"] and \
+            res["kvref"]["peak_blocks"] == res["kvfast"]["peak_blocks"]
+        fast_us = best["kvfast"] / num_requests * 1e6
+        base = fast_us if base is None else base
+        out.append({
+            "name": f"manager {config}",
+            "metric": "kvref time / kvfast time",
+            "ratio": best["kvref"] / best["kvfast"],
+            "target": 10.0,
+            "detail": (f"kvref {best['kvref'] / num_requests * 1e6:.0f} us/req, kvfast {fast_us:.0f} us/req "
+                       f"({fast_us / base:.2f}x one full leaf, target <= 2); hits {res['kvfast']['hit_tokens']} "
+                       f"peak {res['kvfast']['peak_blocks']} ({'same' if same else 'DIFFERENT'} in kvref)"),
+            "kvfast_us_per_request": fast_us,
+            "vs_one_full_leaf": fast_us / base,
+            "hit_tokens": res["kvfast"]["hit_tokens"],
+            "agree": same,
+        })
+    return out
+
+
 # --------------------------------------------------------------------------- table
 
 
@@ -277,14 +411,15 @@ def run_bench(*, quick: bool = False, replay_requests: int = 128, only: Sequence
         Requests of the peer workload replayed through both managers
         (kvref needs ~50 ms per request; 0 means all 2000).
     only : sequence of str, optional
-        Subset of ``{"append", "prepare", "replay"}``.
+        Subset of ``{"append", "prepare", "replay", "configs"}`` (``configs``: one manager row
+        per configuration of :data:`MANAGER_CONFIGS`, the scheduler loop of issue 12).
 
     Returns
     -------
     list of dict
         One per row: ``name``, ``metric``, ``ratio``, ``target``, ``met``, ``detail``.
     """
-    only = set(only or ("append", "prepare", "replay"))
+    only = set(only or ("append", "prepare", "replay", "configs"))
     rep = 3 if quick else 15
     rows = []
     if "append" in only:
@@ -295,6 +430,8 @@ def run_bench(*, quick: bool = False, replay_requests: int = 128, only: Sequence
         rows.append(_prepare_case(256, rep, 5 if quick else 50, as_lists=True))
     if "replay" in only:
         rows.append(_replay_case(min(replay_requests, 64) if quick else replay_requests, 1 if quick else 3))
+    if "configs" in only:
+        rows += _configs_case(32 if quick else 64, 1 if quick else 3)
     for r in rows:
         r["met"] = r["ratio"] >= r["target"]
     return rows
@@ -311,20 +448,20 @@ def print_table(rows: list[dict], file=None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``kvcache bench [--quick] [--replay-requests N] [--only append,prepare,replay] [--json PATH]``."""
+    """``kvcache bench [--quick] [--replay-requests N] [--only append,prepare,replay,configs] [--json PATH]``."""
     ap = argparse.ArgumentParser(prog="kvcache bench", description="kvfast vs kvref / numpy ratio table, one run")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
     ap.add_argument("--replay-requests", type=int, default=128,
                     help="peer-workload requests replayed through both managers (0 = all 2000)")
-    ap.add_argument("--only", default="", help="comma list of append,prepare,replay")
+    ap.add_argument("--only", default="", help="comma list of append,prepare,replay,configs")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(list(argv) if argv is not None else None)
     if args.replay_requests < 0:
         ap.error(f"--replay-requests={args.replay_requests}, must be >= 0")
     only = [x for x in args.only.split(",") if x] or None
-    bad = set(only or ()) - {"append", "prepare", "replay"}
+    bad = set(only or ()) - {"append", "prepare", "replay", "configs"}
     if bad:
-        ap.error(f"--only: unknown {sorted(bad)}, choose from append,prepare,replay")
+        ap.error(f"--only: unknown {sorted(bad)}, choose from append,prepare,replay,configs")
     rows = run_bench(quick=args.quick, replay_requests=args.replay_requests, only=only)
     print_table(rows)
     if args.json:

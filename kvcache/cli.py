@@ -65,8 +65,12 @@ def parse_bytes(text: str) -> int:
     m = _BYTES_RE.match(text) if isinstance(text, str) else None
     if m is None:
         raise ValueError(f"{text!r} is not a byte count (use e.g. 1048576, 512MiB or 4GB)")
-    value = float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
-    if value != int(value):
+    from fractions import Fraction
+
+    if len(m.group(1)) > 40:
+        raise ValueError(f"{text[:40]!r}... has more than 40 digits")
+    value = Fraction(m.group(1)) * _UNITS[(m.group(2) or "").lower()]  # exact, no float rounding
+    if value.denominator != 1:
         raise ValueError(f"{text!r} is not a whole number of bytes")
     return int(value)
 

@@ -60,7 +60,7 @@ BACKENDS = ("kvfast", "kvref")
 #: may allocate at most half of this machine's physical memory.
 MAX_REPLICAS = 1024
 MAX_PAGE_SIZE = 2**20
-MAX_TOTAL_BLOCKS = 2**25
+MAX_TOTAL_BLOCKS = 2**22
 MAX_GEOMETRY = 2**16
 MAX_BATCH_TOKENS = 2**24
 MAX_BATCH_SIZE = 2**16
@@ -131,6 +131,8 @@ class ReplayConfig:
         ``True``: real buffers (at most half the machine's memory).
     model_id : str, optional
         ``KVCacheParams.model_id``; default the preset's hub id (``""`` without one).
+    leaves : tuple of (str, LeafSpec), optional
+        The manager's leaves for the hand-typed geometry (``model`` brings its own).
 
     Raises
     ------
@@ -158,6 +160,7 @@ class ReplayConfig:
     model: str | None = None
     allocate_buffers: bool = False
     model_id: str | None = None
+    leaves: tuple | None = None
 
     def __post_init__(self):
         o = "ReplayConfig"
@@ -211,7 +214,7 @@ class ReplayConfig:
                                    self.device_bytes if self.device_bytes is not None else self.num_blocks, pool),
                                   ("host_bytes", self.host_bytes, self.host_bytes)):
             if need > limit:
-                raise ValueError(f"{o}: {name}={value} allocates {need / 2**30:.1f} GiB with allocate_buffers=True, "
+                raise ValueError(f"{o}: {name}={value} allocates {need / 2**30:.1f} GiB of real buffers, "
                                  f"must be <= {limit / 2**30:.1f} GiB (half this machine's memory); plan it "
                                  f"bookkeeping-only instead")
         if pool + self.host_bytes > limit:
@@ -245,7 +248,7 @@ class ReplayConfig:
                 kw["model_id"] = self.model_id
             return m.params(self.page_size, self.kv_dtype(), **kw)
         return KVCacheParams(self.page_size, self.num_layers, self.kv_heads, self.head_dim, self.kv_dtype(),
-                             model_id=self.model_id or "", **kw)
+                             model_id=self.model_id or "", leaves=dict(self.leaves) if self.leaves else None, **kw)
 
     def blocks_per_replica(self) -> int:
         """Device blocks per replica (per leaf), null block included."""
@@ -502,6 +505,7 @@ def replay(
     workload: str = "requests",
     progress: Callable[[int, int, int], None] | None = None,
     status: Callable[[str], None] | None = None,
+    connector=None,
 ) -> ReplayStats:
     """Replay ``requests`` through a ``PagedKVCacheManager`` and measure it.
 
@@ -517,6 +521,10 @@ def replay(
     status : callable(str), optional
         Told what the replay is doing before each phase that takes a while
         (the ceiling, building the manager, the loop).
+    connector : KVConnector, optional
+        An explicit connector for the manager (a custom or fault-injecting
+        one); it replaces the tiers of ``config`` (whose sizes still name the
+        eviction cause).
 
     Returns
     -------
@@ -568,10 +576,11 @@ def replay(
         recurrent=any(leaf.kind.value == "recurrent" for leaf in leaves.values()),
         evicted=evicted_cause(bool(config.host_bytes), bool(config.disk_bytes), config.remote_url is not None),
     )
+    tiers = tiers or connector is not None
+    lost.peers_serve = simple and (config.replicas > 1 or tiers)
     tmp_dir = tempfile.mkdtemp(prefix="kvcache-disk-") if config.disk_bytes and not config.disk_dir else None
     try:
-        connector = None
-        if config.remote_url is not None:
+        if connector is None and config.remote_url is not None:
             # Spec remote-tier §7: the remote tier sits under the host and disk tiers.
             from kvref import TieredConnector
 
@@ -818,7 +827,7 @@ class _Loop:
                 self.call("claim", live.ctx, live.replica)
             if len(batches[live.replica]) >= cfg.max_batch_size:
                 break
-            refused = self._refusals() if self.tiers and not live.recorded else 0
+            before = self._load_counts() if self.tiers and not live.recorded else None
             try:
                 transfer = self.call("alloc", live.ctx)
             except InsufficientBlocksError:
@@ -829,7 +838,7 @@ class _Loop:
             live.admitted_at = self.admissions
             self.admissions += 1
             if not live.recorded:
-                self._settle_hit(live, self.tiers and self._refusals() > refused)
+                self._settle_hit(live, self._load_outcome(before))
             if not self._landed(live, transfer):
                 self._cordon(live, transfer)
                 continue
@@ -839,8 +848,20 @@ class _Loop:
             budget = self._take(live, batches, budget)
         return budget
 
-    def _refusals(self) -> int:
-        return self.mgr.get_metrics_aggregated().connector_loads_refused
+    def _load_counts(self) -> tuple[int, int]:
+        m = self.mgr.get_metrics_aggregated()
+        return m.connector_loads_refused, m.connector_load_failures
+
+    def _load_outcome(self, before) -> str | None:
+        """``"load_failed"`` / ``"load_refused"`` when the admission's ``alloc`` saw its load fail or refused."""
+        if before is None:
+            return None
+        refused, failed = self._load_counts()
+        if failed > before[1]:
+            return "load_failed"
+        if refused > before[0]:
+            return "load_refused"
+        return None
 
     def _route(self, live: _Live, batches) -> int:
         """Replica for a new request: most prefix hits, then fewest in flight, then lowest index."""
@@ -869,7 +890,7 @@ class _Loop:
             f"and nothing else in flight"
         )
 
-    def _settle_hit(self, live: _Live, refused: bool) -> None:
+    def _settle_hit(self, live: _Live, load: str | None) -> None:
         """Record the request's hit at its first admission (device, external tokens) and attribute its loss."""
         ctx = live.ctx
         ext = ctx.cached_prefix_external_length
@@ -879,7 +900,7 @@ class _Loop:
         self.hit_prompt_tokens += live.req.prompt_length
         live.recorded = True
         live.transfer_is_first = True
-        self.lost.admit(live.index, live.replica, hit, refused)
+        self.lost.admit(live.index, live.replica, hit, load)
 
     def _take(self, live: _Live, batches, budget: int) -> int:
         """Put ``live`` in its replica's batch, chunking its prefill to ``budget``
@@ -912,6 +933,8 @@ class _Loop:
                 call("release", ctx)
                 self.running.remove(live)
                 self.done += 1
+                if self.preemptions:
+                    lost.finish(live.index)
 
     def _wait_for_transfers(self, idle_waits: int) -> int:
         """Nothing could run this step: poll the manager, block on an onload if any."""
