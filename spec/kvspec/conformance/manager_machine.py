@@ -25,7 +25,7 @@ from .._manager_types import DEFAULT_LEAF_ID, TextContext
 from ._backend import Backend, BackendBound
 from ._compare import assert_same, assert_same_outcome, begin_reproduction, capture, record, to_numpy
 
-__all__ = ["ManagerComparison", "write_forward", "forward_values", "manager_snapshot", "context_state"]
+__all__ = ["ManagerComparison", "write_forward", "forward_values", "replacement_context", "manager_snapshot", "context_state"]
 
 _RARE = st.sampled_from([False] * 7 + [True])
 
@@ -47,6 +47,20 @@ def forward_values(n: int, params, seed: int) -> np.ndarray:
     (``kvspec.strategies.distinct_pair``), so V stored as K never passes."""
     k, v = kst.distinct_pair((n, params.num_layers, params.kv_heads, params.head_dim), params.dtype, seed)
     return np.stack([k, v], axis=1)
+
+
+def replacement_context(ctx: TextContext) -> TextContext:
+    """A new ``TextContext`` object in the same state as ``ctx`` (tokens, salt, processed,
+    active and pending marks, cached prefix fields): what an engine hands the
+    manager when it rebuilds its request objects (spec/manager.md §2.3)."""
+    new = TextContext(ctx.request_id, np.array(ctx.tokens), cache_salt=ctx.cache_salt)
+    if ctx.processed_length:
+        new.skip_processing(ctx.processed_length)
+    if ctx.pending_length:
+        new.chunk(ctx.active_length)
+    new.cached_prefix_length = ctx.cached_prefix_length
+    new.cached_prefix_external_length = ctx.cached_prefix_external_length
+    return new
 
 
 def write_forward(manager, ctx: TextContext, seed: int, replica_idx: int = 0) -> None:
@@ -263,13 +277,39 @@ class ManagerComparison(BackendBound, RuleBasedStateMachine):
         if out is not None:
             self.allocated.add(rid)
 
+    @precondition(lambda self: self.allocated)
+    @rule(data=st.data(), how=st.sampled_from(["same", "defer_lookup", "replacement"]))
+    def alloc_again(self, data, how):
+        """A second ``alloc`` before ``step`` (spec/manager.md §4.9: idempotent): with
+        the same context, with ``defer_lookup=True``, or with a replacement context
+        object of the same tokens and marks (§2.3) that ``alloc`` sees first."""
+        rid = data.draw(st.sampled_from(sorted(self.allocated)), label="request")
+
+        if how == "replacement":
+            label = (f"manager.alloc(__import__('kvspec.conformance.manager_machine', fromlist=['_'])"
+                     f".replacement_context(ctx_{rid})).is_complete()  # a new context object, same state")
+
+            def fn(m, cs):
+                cs[rid] = replacement_context(cs[rid])
+                return m.alloc(cs[rid]).is_complete()
+        else:
+            kw = ", defer_lookup=True" if how == "defer_lookup" else ""
+            label = f"manager.alloc(ctx_{rid}{kw}).is_complete()"
+            fn = lambda m, cs: m.alloc(cs[rid], defer_lookup=(how == "defer_lookup")).is_complete()  # noqa: E731
+        self._both(label, fn, drains=True)
+
     @rule(data=st.data())
     def chunk(self, data):
         """``ctx.chunk(n)`` on both contexts (a chunked prefill), before ``alloc``."""
         rid = self._rid(data, claimed=True)
         if rid is None or rid in self.allocated or self.ctx_ref[rid].active_length < 2:
             return
-        n = data.draw(st.integers(1, self.ctx_ref[rid].active_length - 1), label="n")
+        active, page = self.ctx_ref[rid].active_length, self.params.page_size
+        whole = [k * page for k in range(1, (active - 1) // page + 1)]
+        if whole and data.draw(st.booleans(), label="whole pages"):  # chunk-aligned (a scheduler's usual cut)
+            n = data.draw(st.sampled_from(whole), label="n")
+        else:
+            n = data.draw(st.integers(1, active - 1), label="n")
         record(f"ctx_{rid}.chunk({n})")
         self.ctx_ref[rid].chunk(n)
         self.ctx_sut[rid].chunk(n)
