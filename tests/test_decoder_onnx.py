@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -56,6 +57,8 @@ VARIANTS = {
     "slot-paged-fp16": ("slot", SLIDING, dict(mode="paged", num_blocks=20, dtype="float16"), "float16", FP16_ATOL),
     "manager": ("manager", FULL, dict(num_blocks=16), None, 1e-4),
     "manager-host-tier": ("manager", FULL, dict(num_blocks=14, host_bytes=1 << 20), None, 1e-4),
+    # two pages of host memory, the rest of what is evicted goes to disk and comes back from it
+    "manager-disk-tier": ("manager", FULL, dict(num_blocks=14, host_bytes=8192, disk_bytes=1 << 20), None, 1e-4),
     "manager-sliding": ("manager", SLIDING, dict(num_blocks=16), None, 1e-4),
     "manager-bf16": ("manager", FULL, dict(num_blocks=16, dtype="bfloat16"), "bfloat16", BF16_ATOL),
 }
@@ -87,8 +90,12 @@ def make_server(kind, pkg, model, **kw):
 def run_variant(name, pkg):
     kind, windows, kw, kv_round, atol = VARIANTS[name]
     model = model_for(windows)
-    server = make_server(kind, pkg, model, **kw)
-    return server, server.serve(chat_workload(model.config.vocab_size)), reference_for(windows, kv_round), atol
+    with tempfile.TemporaryDirectory(prefix="kvcache-decoder-") as disk_dir:
+        if kw.get("disk_bytes"):
+            kw = dict(kw, disk_dir=disk_dir)
+        server = make_server(kind, pkg, model, **kw)
+        result = server.serve(chat_workload(model.config.vocab_size))
+    return server, result, reference_for(windows, kv_round), atol
 
 
 @pytest.mark.parametrize("pkg", sorted(PKGS))
@@ -110,10 +117,12 @@ def test_served_tokens_and_logits_equal_onnx_runtime(variant, pkg):
     if isinstance(server, ManagerServer):
         metrics = server.mgr.get_metrics_aggregated()
         assert metrics.cache_tokens == s.prefix_hit_tokens, (metrics, s)
-        if variant == "manager-host-tier":
-            assert s.external_hit_blocks > 0, s                       # evicted pages came back from host memory
+        if variant in ("manager-host-tier", "manager-disk-tier"):
+            assert s.external_hit_blocks > 0, s                       # evicted pages came back from a tier
             assert metrics.external_blocks_served == s.external_hit_blocks, metrics
             assert metrics.d2h_bytes_copied > 0 and metrics.h2d_bytes_copied > 0, metrics
+        if variant == "manager-disk-tier":
+            assert metrics.disk_bytes_written > 0 and metrics.disk_bytes_read > 0, metrics
         assert server.mgr.block_count().used == 0                     # every page released
 
 

@@ -342,6 +342,10 @@ class ManagerServer:
     dtype : {"float32", "bfloat16", "float16"}
     host_bytes : int
         Host tier size (a ``TieredConnector`` is built from the params); 0 = none.
+    disk_bytes : int
+        Disk tier size; 0 = none.
+    disk_dir : str, optional
+        Directory of the disk tier (needed when ``disk_bytes > 0``).
     chunk_size : int
         Largest prefill chunk of one request in one step.
     past_offset : int
@@ -355,7 +359,7 @@ class ManagerServer:
     def __init__(self, kvpkg, model: Decoder, *, num_blocks: int = 24, max_batch_size: int = 4,
                  max_seq_len: int = 64, page_size: int = 4, dtype: str = "float32", host_bytes: int = 0,
                  chunk_size: int = 8, past_offset: int = 0, on_admit: Optional[Callable] = None,
-                 device: str = "cpu"):
+                 device: str = "cpu", disk_bytes: int = 0, disk_dir: Optional[str] = None):
         if chunk_size < 1:
             raise ValueError(f"ManagerServer: chunk_size={chunk_size} must be >= 1")
         cfg = model.config
@@ -370,7 +374,7 @@ class ManagerServer:
                       for leaf, w in zip(self.layer_leaf, cfg.windows)}
         params = kvpkg.KVCacheParams(page_size=page_size, num_layers=cfg.num_layers, kv_heads=cfg.kv_heads,
                                      head_dim=cfg.head_dim, dtype=dtype, host_offload_bytes=host_bytes,
-                                     leaves=leaves)
+                                     disk_offload_bytes=disk_bytes, disk_offload_dir=disk_dir, leaves=leaves)
         self.mgr = kvpkg.PagedKVCacheManager(params, num_blocks=num_blocks, max_batch_size=max_batch_size,
                                              max_seq_len=max_seq_len, device=device)
 
@@ -407,7 +411,7 @@ class ManagerServer:
         return True
 
     def _wait_for_pages(self, waiting) -> None:
-        """Nothing runs and the head of the queue did not fit: only in-flight tier transfers
+        """The only request (the head of ``waiting``) does not fit: only in-flight tier transfers
         (which pin pages) can free pages now; wait for them, else the pool is too small."""
         mgr = self.mgr
         if not mgr.pending_transfers_exist():
@@ -462,8 +466,8 @@ class ManagerServer:
                         i += 1
                     except kv.InsufficientBlocksError:
                         if len(running) == 1:
-                            raise RuntimeError("ManagerServer: one request does not fit the pool; "
-                                               "num_blocks is too small") from None
+                            self._wait_for_pages([live])   # only pinned pages can come back
+                            continue
                         victim = running.pop()
                         mgr.release(victim.ctx)         # its committed pages stay cached
                         victim.ctx.reset()
