@@ -725,3 +725,42 @@ def test_bookkeeping_mode_refusals():
         remote.attach([BookkeepingPageStore(8, params.page_bytes())], params)
     conn.shutdown()
     remote.shutdown()
+
+
+@pytest.mark.parametrize("where", ["metadata", "block"])
+def test_fifo_never_hangs_manager_construction_alloc_or_shutdown(tmp_path, where):
+    """Issue 11 (9), through the manager: a FIFO as the metadata file or as a block file."""
+    params = make_params()
+
+    def manager():
+        conn = TieredConnector(host_bytes=0, disk_bytes=10**6, disk_dir=tmp_path / "kv")
+        return conn, kvref.PagedKVCacheManager(params, num_blocks=16, max_batch_size=2, max_seq_len=64,
+                                               connector=conn)
+
+    conn, m = manager()
+    ctx = kvref.TextContext("a", list(range(13)))
+    m.claim(ctx)
+    m.alloc(ctx).synchronize()
+    ctx.update(0)
+    m.step(ctx)
+    m.release(ctx)
+    m.shutdown()
+    hs, toks = chain(3)
+    if where == "metadata":
+        (tmp_path / "kv" / METADATA_NAME).unlink()
+        os.mkfifo(tmp_path / "kv" / METADATA_NAME)
+        conn, m = run_with_timeout(manager)
+        assert conn.tier_stats().files_rejected == 1 + 3 and conn.lookup(hs, toks) == 0
+    else:
+        conn, m = run_with_timeout(manager)
+        block_path(tmp_path / "kv", hs[0]).unlink()
+        os.mkfifo(block_path(tmp_path / "kv", hs[0]))
+        ctx2 = kvref.TextContext("b", list(range(13)))
+        m.claim(ctx2)
+        handle = m.alloc(ctx2)
+        with pytest.raises(KVLoadFailed, match="not a regular file"):
+            run_with_timeout(handle.synchronize)
+        m.poll_transfers()
+        m.release(ctx2)
+        assert not os.path.lexists(block_path(tmp_path / "kv", hs[0]))
+    run_with_timeout(m.shutdown)
