@@ -360,7 +360,7 @@ def test_failure_prints_a_reproduction_that_runs(tmp_path, module, select):
     """The report has no harness frames and ends in a script that, saved to a
     file and run as printed, fails with the same AssertionError."""
     proc = run_suite(f"--kv-backend=tests.broken_backends.{module}:factory", "-x", "-k", select,
-                     "--kv-shrink-seconds=5")
+                     "--kv-shrink-seconds=2")
     assert proc.returncode == 1, _tail(proc)
     assert "_compare.py:" not in proc.stdout and "def assert_same" not in proc.stdout, _tail(proc, 80)
     script = _repro_of(proc)
