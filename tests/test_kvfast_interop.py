@@ -133,3 +133,16 @@ def test_fill_accepts_torch_bfloat16(emulated, device):
 
         got = to_numpy(cache.keys(0))[1, :3].view(np.uint16)
         assert got.tobytes() == k.view(torch.int16).numpy().tobytes()
+
+
+def test_interop_guide_runs():
+    """docs/interop.md's Python blocks, in order, as a reader would paste them."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "interop.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) >= 2
+    ns: dict = {}
+    for b in blocks:
+        exec(compile(b, "docs/interop.md", "exec"), ns)
