@@ -272,6 +272,18 @@ class BlockPool:
         """
         return self.allocate_array(n).tolist()
 
+    def peek(self, n: int, skip=()) -> list[int]:
+        """The first ``n`` blocks ``allocate`` would pop once the blocks in ``skip`` left the free
+        list (fewer when fewer are free); changes nothing (the manager plans before it commits)."""
+        out: list[int] = []
+        nxt, tail = self._next, self._tail
+        b = int(nxt[self._head])
+        while len(out) < n and b != tail:
+            if b not in skip:
+                out.append(b)
+            b = int(nxt[b])
+        return out
+
     def touch(self, block: int) -> None:
         """Take one more reference; a free (published) block leaves the free list."""
         if block == NULL_BLOCK:

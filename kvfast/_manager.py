@@ -24,6 +24,7 @@ import hashlib
 import numpy as np
 
 import kvref
+from kvspec import hashing
 from kvspec._config import parse_device
 from kvspec._manager_types import (
     CompletedTransfer,

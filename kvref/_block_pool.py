@@ -190,6 +190,17 @@ class BlockPool:
             out.append(c)
         return out
 
+    def peek(self, n: int, skip=()) -> list[int]:
+        """The first ``n`` blocks ``allocate`` would pop once the blocks in ``skip`` left the free
+        list (fewer when fewer are free); changes nothing (the manager plans before it commits)."""
+        out: list[int] = []
+        for b in self._free:
+            if len(out) >= n:
+                break
+            if b not in skip:
+                out.append(b)
+        return out
+
     def touch(self, block: int) -> None:
         """Take one more reference; a free (published) block leaves the free list."""
         if block == NULL_BLOCK:

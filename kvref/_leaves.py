@@ -9,11 +9,61 @@ holds tokens ``[i*page, (i+1)*page)`` in every leaf); a recurrent leaf keeps
 from __future__ import annotations
 
 import math
-from typing import Callable
+import numpy as np
 
 from kvspec import LeafKind, LeafSpec
 
-__all__ = ["Leaf", "joint_hit"]
+
+class Residency:
+    """Which blocks of one chain a leaf's pool holds (spec/manager.md §3.2), asked lazily.
+
+    ``residency(i)``: the pool holds a page published under ``h_i`` whose stored tokens
+    are block ``i``'s; :meth:`page` is that page (or None); :meth:`run` the resident run
+    from the root (one ``lookup_run`` of the pool). Answers are memoised: one lookup per
+    block at most.
+
+    Parameters
+    ----------
+    pool : kvspec.engine.BlockPool
+    hashes : list of bytes
+        The chain ``h_0 ..``.
+    tokens : int32 [>= len(hashes) * page_size]
+        The context's tokens.
+    page_size : int
+    """
+
+    __slots__ = ("pool", "hashes", "tokens", "page_size", "_pages", "_run", "_run_cap")
+
+    def __init__(self, pool, hashes: list[bytes], tokens: np.ndarray, page_size: int):
+        self.pool, self.hashes, self.tokens, self.page_size = pool, hashes, tokens, page_size
+        self._pages: dict[int, int | None] = {}
+        self._run: list[int] = []
+        self._run_cap = 0  # the run was looked up for this many blocks
+
+    def page(self, i: int) -> int | None:
+        """The page holding block ``i``, else None."""
+        if i < len(self._run):
+            return self._run[i]
+        if i not in self._pages:
+            p = self.page_size
+            self._pages[i] = self.pool.lookup(self.hashes[i], self.tokens[i * p : (i + 1) * p])
+        return self._pages[i]
+
+    def __call__(self, i: int) -> bool:
+        return self.page(i) is not None
+
+    def run(self, k: int) -> int:
+        """The resident run from the root, at most ``k`` blocks (one batched lookup)."""
+        if k > self._run_cap and len(self._run) == self._run_cap:
+            self._run = self.pool.lookup_run(self.hashes[:k], self.tokens[: k * self.page_size])
+            self._run_cap = k
+        return min(k, len(self._run))
+
+    def pages(self, lo: int, k: int) -> list[int]:
+        """The pages of blocks ``lo .. k-1`` (all resident)."""
+        if k <= len(self._run):
+            return self._run[lo:k]
+        return [self.page(i) for i in range(lo, k)]
 
 
 class Leaf:
@@ -49,18 +99,15 @@ class Leaf:
         """First row index a sliding leaf still needs when ``k`` blocks are processed."""
         return max(0, k - self.blocks_in_window) if self.is_sliding else 0
 
-    def best(self, k: int, resident: Callable[[int], bool]) -> int:
+    def best(self, k: int, resident: "Residency") -> int:
         """The longest hit ``j <= k`` (in blocks) this leaf accepts.
 
         ``resident(i)``: the leaf holds a page published under hash ``h_i``
-        with block ``i``'s tokens.
+        with block ``i``'s tokens; ``resident.run(k)``: the resident run from the root.
         """
         if self.kind is LeafKind.FULL:
             # Spec §3.2 full: the resident run from the root.
-            for i in range(k):
-                if not resident(i):
-                    return i
-            return k
+            return resident.run(k)
         if self.is_sliding:
             # Spec §3.2 sliding: a complete resident window before the stop
             # (a resident root run when the stop is inside the first window).
@@ -75,7 +122,7 @@ class Leaf:
         return 0
 
 
-def joint_hit(leaves: list[Leaf], cap: int, resident: dict[str, Callable[[int], bool]]) -> int:
+def joint_hit(leaves: list[Leaf], cap: int, resident: dict[str, "Residency"]) -> int:
     """The fixed point of the leaves' rules: the longest hit ``<= cap`` every leaf accepts.
 
     Spec §3.2: not the minimum of the per-leaf hits; narrowing one leaf can

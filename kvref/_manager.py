@@ -39,7 +39,7 @@ from kvspec.errors import InsufficientBlocksError, KVLoadFailed, KVLoadRefused
 from kvspec._page_store import BookkeepingPageStore
 from kvspec.engine import NULL_BLOCK, BlockPool, ManagerEngine
 
-from ._leaves import Leaf, joint_hit
+from ._leaves import Leaf, Residency, joint_hit
 from ._manager_engine import ReferenceManagerEngine
 
 __all__ = ["PagedKVCacheManager"]
@@ -105,14 +105,30 @@ class _Request:
     counted_gen: int = -1
     counted_active: int = 0
 
-    def clone(self) -> "_Request":
-        c = _Request(**{k: getattr(self, k) for k in self.__dataclass_fields__})
-        c.rows = {k: list(v) for k, v in self.rows.items()}
-        c.hashes = list(self.hashes)
-        c.nulled = dict(self.nulled)
-        c.restore = dict(self.restore)
-        return c
 
+@dataclass
+class _AllocPlan:
+    """What ``alloc`` will do, decided before anything changes (spec/manager.md §4)."""
+
+    undo_load: bool = False
+    splice: bool = False
+    local: int = 0  # the local device hit (blocks)
+    k: int = 0  # the device hit with peer-held blocks (spec §7.3)
+    hashes: list = field(default_factory=list)
+    rows: dict = field(default_factory=dict)  # paged leaf -> spliced row
+    nulled: dict = field(default_factory=dict)
+    restore: dict = field(default_factory=dict)  # recurrent leaf -> checkpoint page
+    peer: dict = field(default_factory=dict)  # block index -> (source replica, source page)
+    need: dict = field(default_factory=dict)  # leaf -> pages the sizing draws
+    lookup_pending: bool = False
+    ext_ran: bool = False
+    load: "_Load | None" = None
+    load_done: bool = False
+    load_failed: bool = False
+
+
+#: ``alloc``'s result when nothing is in flight (immutable, shared).
+_DONE = CompletedTransfer()
 
 
 def lut_columns(op: str, need: int, page: int, max_cache_length, batches, max_batch_size: int,
@@ -233,6 +249,7 @@ class PagedKVCacheManager:
         self._conn_leaf = self._paged_leaves[0].leaf_id
         # The leaf whose rows carry the chain for twin dedup (spec §5.1): a full leaf if any.
         self._anchor = next((leaf for leaf in self._paged_leaves if leaf.kind is LeafKind.FULL), self._paged_leaves[0])
+        self._commit_order = [self._anchor] + [leaf for leaf in self._paged_leaves if leaf is not self._anchor]
 
         self._engine = engine
         self._pools: list[dict[str, BlockPool]] = [
@@ -387,26 +404,16 @@ class PagedKVCacheManager:
         """Chained hashes of ctx's full blocks, never covering the last token (Spec §3.1)."""
         n = (len(ctx) - 1) // self._page
         if len(have) >= n:
-            return list(have[:n])
+            return have if len(have) == n else have[:n]
         parent = have[-1] if have else self._root(ctx.cache_salt)
         more = self._engine.chain_hashes(parent, ctx.tokens[len(have) * self._page : n * self._page], self._page,
                                          self._params.hash_algo)
         return list(have) + more
 
-    def _resident(self, r: int, hashes: list[bytes], tokens: np.ndarray):
-        """``{leaf_id: resident(i)}`` over replica r's pools, memoised."""
-        out = {}
-        for leaf in self._leaves:
-            pool = self._pools[r][leaf.leaf_id]
-            memo: dict[int, bool] = {}
-
-            def resident(i, pool=pool, memo=memo):
-                if i not in memo:
-                    memo[i] = pool.lookup(hashes[i], self._block_tokens(tokens, i)) is not None
-                return memo[i]
-
-            out[leaf.leaf_id] = resident
-        return out
+    def _resident(self, r: int, hashes: list[bytes], tokens: np.ndarray) -> dict[str, Residency]:
+        """``{leaf_id: Residency}`` of the chain over replica r's pools (spec §3.2)."""
+        return {leaf.leaf_id: Residency(self._pools[r][leaf.leaf_id], hashes, tokens, self._page)
+                for leaf in self._leaves}
 
     def _peer_source(self, r: int, h: bytes, toks: np.ndarray) -> tuple[int, int] | None:
         """A peer replica's published page for ``h`` (source rotated by hash and destination)."""
@@ -420,9 +427,10 @@ class PagedKVCacheManager:
                 return src, page
         return None
 
-    def _device_hit(self, r: int, hashes: list[bytes], tokens: np.ndarray, cap: int) -> tuple[int, int]:
+    def _device_hit(self, r: int, hashes: list[bytes], tokens: np.ndarray, cap: int,
+                    resident: dict[str, Residency] | None = None) -> tuple[int, int]:
         """(local hit, peer-extendable hit) in blocks, both ``<= cap``."""
-        local = joint_hit(self._leaves, cap, self._resident(r, hashes, tokens))
+        local = joint_hit(self._leaves, cap, resident or self._resident(r, hashes, tokens))
         reach = local
         if self._simple and self._dp > 1:
             # Spec §7.3: past the local run, each block is local (after a hole) or peer-held.
@@ -564,42 +572,8 @@ class PagedKVCacheManager:
                 f"alloc: request_id={ctx.request_id!r} ran past a failed load of {len(req.load.pages)} blocks "
                 f"at block {req.load.start}; release it and recompute"
             ) from req.load.error
-        snap = self._snapshot(req)
-        try:
-            return self._alloc(req, ctx, defer_lookup)
-        except BaseException:
-            self._restore(snap)
-            raise
-
-    def _alloc(self, req: _Request, ctx: TextContext, defer_lookup: bool) -> KVTransfer:
-        if req.load is not None and req.load.state == "failed":
-            self._undo_failed_load(req, ctx)
-        copies: list[tuple[str, int, int, int]] = []
-        touch_hashes: list[bytes] = []
-        if self._at_reuse_point(req, ctx):
-            touch_hashes = self._splice_device_hit(req, ctx, copies)
-        self._grow(req, ctx, copies)
-        self._run_copies(req, copies)
-        transfer: KVTransfer = CompletedTransfer()
-        device_hit = req.committed
-        if self._external_stage_due(req, ctx):
-            if defer_lookup and req.lookup is None:
-                req.lookup_pending = True  # Spec §9.4: awaits start_lookup and the next alloc
-            else:
-                transfer = self._load_external(req, ctx)
-        if self._uses_connector and device_hit and (touch_hashes or req.committed > device_hit):
-            # spec/manager.md §4.8, spec/tiers.md §3: the device hit is re-ranked after the load
-            # ranked the loaded blocks, so the chain's head ends most recent in the tiers.
-            self._connector.touch(req.hashes[:device_hit], req.replica)
-        if req.load is not None and req.load.state == "pending":
-            transfer = req.load.handle  # Spec §4: a repeated alloc returns the load still in flight
-        # Spec §4.9: input_tokens counts each forward's active tokens once.
-        if req.counted_gen == req.step_gen:
-            self._metrics.input_tokens += ctx.active_length - req.counted_active
-        else:
-            self._metrics.input_tokens += ctx.active_length
-        req.counted_gen, req.counted_active = req.step_gen, ctx.active_length
-        return transfer
+        plan = self._plan_alloc(req, ctx, defer_lookup)  # spec §4: every check; nothing changes
+        return self._commit_alloc(req, ctx, plan)  # nothing below can fail
 
     def _at_reuse_point(self, req: _Request, ctx: TextContext) -> bool:
         # Spec §3.3: reuse only while the request holds no pages and nothing is processed.
@@ -609,89 +583,203 @@ class PagedKVCacheManager:
             and all(not row for row in req.rows.values())
         )
 
-    def _splice_device_hit(self, req: _Request, ctx: TextContext, copies: list) -> list[bytes]:
+    def _plan_alloc(self, req: _Request, ctx: TextContext, defer_lookup: bool) -> _AllocPlan:
+        """spec/manager.md §4 steps 4-8 decided without changing anything: the splice (§4.5, with
+        the peer-held part of §7.3), the sizing (``InsufficientBlocksError`` here), the
+        connector's lookup and the post of the load (§9.3). Validate first, then commit: no
+        snapshot of the pools is ever taken."""
         r, page = req.replica, self._page
-        tokens = ctx.tokens
-        req.hashes = self._hashes_for(ctx, req.hashes)
-        cap = min(len(req.hashes), (ctx.active_length - 1) // page)
-        local, reach = self._device_hit(r, req.hashes, tokens, cap)
-        k = local
-        for leaf in self._leaves:
-            pool = self._pools[r][leaf.leaf_id]
-            if leaf.is_recurrent:
-                if k:
-                    c = pool.lookup(req.hashes[k - 1], self._block_tokens(tokens, k - 1))
-                    pool.touch(c)
-                    req.restore[leaf.leaf_id] = c
-                continue
-            lo = leaf.window_start(k)
-            row = [NULL_BLOCK] * lo
-            for i in range(lo, k):
-                b = pool.lookup(req.hashes[i], self._block_tokens(tokens, i))
-                pool.touch(b)
-                row.append(b)
-            req.rows[leaf.leaf_id] = row
-            req.nulled[leaf.leaf_id] = lo
-        if reach > local:
-            # Spec §7.3: a hit held only by peers is copied into local pages, best effort;
-            # a block the replica still holds (after a hole) is taken locally.
-            pool, row = self._pools[r][self._conn_leaf], req.rows[self._conn_leaf]
-            for i in range(local, reach):
-                h, toks = req.hashes[i], self._block_tokens(tokens, i)
-                b = pool.lookup(h, toks)
-                if b is not None:
-                    pool.touch(b)
-                elif pool.num_free and (src := self._peer_source(r, h, toks)) is not None:
-                    (b,) = pool.allocate(1)
-                    pool.publish(b, h, toks)
-                    copies.append(("peer", src[0], src[1], b))
-                    self._metrics.cross_replica_blocks_copied += 1
-                    self._metrics.cross_replica_bytes_copied += self._params.page_bytes(self._conn_leaf)
-                else:
-                    break
-                row.append(b)
-                k = i + 1
-        req.committed = k
-        if k:
-            ctx.skip_processing(k * page)
-        ctx.cached_prefix_length = k * page
-        ctx.cached_prefix_external_length = 0
-        self._metrics.cache_tokens += k * page
-        self._metrics.device_blocks_served += k
-        req.ext_point = True
-        return list(req.hashes[:k])
-
-    def _grow(self, req: _Request, ctx: TextContext, copies: list) -> None:
-        """Draw every leaf's missing pages, all or nothing (Spec §4.6)."""
-        r = req.replica
-        need = {}
+        pools = self._pools[r]
+        plan = _AllocPlan()
+        plan.undo_load = req.load is not None and req.load.state == "failed"
+        committed = req.load.start if plan.undo_load else req.committed
+        processed = ctx.processed_length - (len(req.load.pages) * page if plan.undo_load else 0)
+        ext_point, hashes = req.ext_point, req.hashes
+        touched: dict[str, set[int]] = {leaf.leaf_id: set() for leaf in self._leaves}
+        pops: list[int] = []  # pages the peer copies draw, in order (spec §7.3)
+        if self._at_reuse_point(req, ctx):
+            tokens = ctx.tokens
+            hashes = self._hashes_for(ctx, req.hashes)
+            cap = min(len(hashes), (ctx.active_length - 1) // page)
+            resident = self._resident(r, hashes, tokens)
+            local, reach = self._device_hit(r, hashes, tokens, cap, resident)
+            k = local
+            for leaf in self._leaves:
+                lid = leaf.leaf_id
+                if leaf.is_recurrent:
+                    if k:  # spec §4.5: the checkpoint, copied into the new live page
+                        c = resident[lid].page(k - 1)
+                        plan.restore[lid] = c
+                        touched[lid].add(c)
+                    continue
+                lo = leaf.window_start(k)  # spec §5.3: sliding slots below the window are null
+                row = [NULL_BLOCK] * lo + resident[lid].pages(lo, k)
+                plan.rows[lid], plan.nulled[lid] = row, lo
+                touched[lid].update(row[lo:])
+            if reach > local:
+                # spec §7.3: past the local run a block is taken locally (after a hole) or copied
+                # from a peer into a fresh page, best effort: a copy needs a free local page.
+                pool, row, held = pools[self._conn_leaf], plan.rows[self._conn_leaf], touched[self._conn_leaf]
+                free = pool.num_free - pool.count_free(list(held))
+                for i in range(local, reach):
+                    h, toks = hashes[i], self._block_tokens(tokens, i)
+                    b = pool.lookup(h, toks)
+                    if b is not None and b not in pops:  # a page an earlier copy drew was evicted
+                        free -= pool.count_free([b])
+                        held.add(b)
+                    elif free and (src := self._peer_source(r, h, toks)) is not None:
+                        (b,) = pool.peek(1, skip=held.union(pops))
+                        plan.peer[i] = src
+                        pops.append(b)
+                        free -= 1
+                    else:
+                        break
+                    row.append(b)
+                    k = i + 1
+            plan.splice, plan.local, plan.k, plan.hashes = True, local, k, hashes
+            committed, processed, ext_point = k, k * page, True
+        # spec §4.6: size every leaf, all or nothing; the free count is after the hit took its pages.
         required = self._required_blocks(ctx)
         for leaf in self._leaves:
-            row = req.rows[leaf.leaf_id]
+            lid, pool = leaf.leaf_id, pools[leaf.leaf_id]
+            have = len(plan.rows[lid]) if lid in plan.rows else len(req.rows[lid])
             if leaf.is_recurrent:
-                n = (0 if row else 1) + (1 if self._caching and len(row) < 2 else 0)
+                n = (0 if have else 1) + (1 if self._caching and have < 2 else 0)
             else:
-                n = max(required - len(row), 0)
-            free = self._pools[r][leaf.leaf_id].num_free
+                n = max(required - have, 0)
+            free = pool.num_free
+            if touched[lid]:
+                free -= pool.count_free(list(touched[lid]))
+            if lid == self._conn_leaf:
+                free -= len(pops)
             if n > free:
                 raise InsufficientBlocksError(
-                    f"alloc: request_id={ctx.request_id!r} needs {n} blocks of leaf {leaf.leaf_id!r}, "
+                    f"alloc: request_id={ctx.request_id!r} needs {n} blocks of leaf {lid!r}, "
                     f"{free} free or evictable on replica {r}"
                 )
-            need[leaf.leaf_id] = n
-        for leaf in self._leaves:
-            n = need[leaf.leaf_id]
+            plan.need[lid] = n
+        # spec §9.3: the external stage, when due; its lookup and the load's post happen here, so a
+        # bad answer or an unexpected error of the connector leaves the state as after the drain.
+        if (self._uses_connector and ext_point and not req.skip_connector and processed == committed * page
+                and committed < len(hashes)):
+            if defer_lookup and req.lookup is None:
+                plan.lookup_pending = True  # spec §9.4: awaits start_lookup and the next alloc
+            else:
+                plan.ext_ran = True
+                self._plan_load(req, ctx, plan, committed, processed, hashes, touched, pops)
+        return plan
+
+    def _plan_load(self, req, ctx, plan, k, processed, hashes, touched, pops) -> None:
+        """Ask the connector (or use the held lookup) and post the load into the pages the row
+        will hold at ``k .. k+n`` (its own, or the first ones the sizing will draw)."""
+        r, page = req.replica, self._page
+        max_n = min(len(hashes) - k, (ctx.current_position - processed - 1) // page)
+        if req.lookup is not None:
+            start, held = req.lookup
+            n = max(0, start + held - k) if start <= k else 0
+        else:
+            n = self._lookup("alloc", r, hashes, ctx.tokens, k)
+        n = min(n, max_n)
+        if n <= 0:
+            return
+        conn = self._conn_leaf
+        row = plan.rows[conn] if conn in plan.rows else req.rows[conn]
+        dest = list(row[k : k + n])
+        if len(dest) < n:
+            fresh = self._pools[r][conn].peek(len(pops) + plan.need[conn], skip=touched[conn])[len(pops):]
+            dest += fresh[: n - len(dest)]
+        toks = np.array(ctx.tokens[k * page : (k + n) * page], dtype=np.int32).reshape(n, page)
+        try:
+            handle = self._connector.load(dest, hashes[k : k + n], toks, r)
+            done = handle.is_complete()
+        except KVLoadRefused:
+            # Spec §9.3: a refused load is a clean miss; the pages stay the request's.
+            # connector_loads_refused is the connector's counter (no double count).
+            return
+        except KVLoadFailed:
+            plan.load_failed = True  # spec §9.3: a miss at the device hit, skip the connector
+            return
+        plan.load = _Load(r, ctx.request_id, k, dest, list(hashes[k : k + n]), toks, handle)
+        plan.load_done = done
+
+    def _commit_alloc(self, req: _Request, ctx: TextContext, plan: _AllocPlan) -> KVTransfer:
+        """Carry out a plan of ``_plan_alloc``, in the spec's order (spec/manager.md §4)."""
+        r, page, m = req.replica, self._page, self._metrics
+        pools = self._pools[r]
+        if plan.undo_load:
+            self._undo_failed_load(req, ctx)
+        copies: list[tuple[str, Any, int, int]] = []
+        if plan.splice:
+            k, local, hashes = plan.k, plan.local, plan.hashes
+            for leaf in self._leaves:
+                lid, pool = leaf.leaf_id, pools[leaf.leaf_id]
+                if leaf.is_recurrent:
+                    c = plan.restore.get(lid)
+                    if c is not None:
+                        pool.touch(c)
+                        req.restore[lid] = c
+                    continue
+                row = plan.rows[lid]
+                if local > plan.nulled[lid]:
+                    pool.touch_many(row[plan.nulled[lid] : local])
+                req.rows[lid], req.nulled[lid] = row, plan.nulled[lid]
+            pool, row = pools[self._conn_leaf], req.rows[self._conn_leaf]
+            for i in range(local, k):  # spec §7.3: the peer-held part, in block order
+                src = plan.peer.get(i)
+                if src is None:
+                    pool.touch(row[i])
+                    continue
+                row[i] = pool.allocate_one()  # the page the plan peeked
+                pool.publish(row[i], hashes[i], self._block_tokens(ctx.tokens, i))
+                copies.append(("peer", src[0], src[1], row[i]))
+                m.cross_replica_blocks_copied += 1
+                m.cross_replica_bytes_copied += self._params.page_bytes(self._conn_leaf)
+            req.hashes, req.committed = hashes, k
+            if k:
+                ctx.skip_processing(k * page)
+            ctx.cached_prefix_length = k * page
+            ctx.cached_prefix_external_length = 0
+            m.cache_tokens += k * page
+            m.device_blocks_served += k
+            req.ext_point = True
+        for leaf in self._leaves:  # spec §4.6: the sizing's pages
+            n = plan.need[leaf.leaf_id]
             if not n:
                 continue
             row = req.rows[leaf.leaf_id]
-            pages = self._pools[r][leaf.leaf_id].allocate(n)
+            pages = [pools[leaf.leaf_id].allocate_one()] if n == 1 else pools[leaf.leaf_id].allocate(n)
             if leaf.is_recurrent and not row:
                 src = req.restore.get(leaf.leaf_id)
                 copies.append(("restore", leaf.leaf_id, src if src is not None else NULL_BLOCK, pages[0]))
             row.extend(pages)
+        self._run_copies(req, copies)
+        device_hit = req.committed
+        if plan.lookup_pending:
+            req.lookup_pending = True
+        elif plan.ext_ran:
+            req.lookup, req.lookup_pending, req.ext_point = None, False, False
+            if plan.load_failed:
+                self._metrics.connector_load_failures += 1
+                req.skip_connector = True
+            elif plan.load is not None:
+                self._splice_load(req, ctx, plan.load, plan.load_done)
+        if self._uses_connector and device_hit and (plan.splice or req.committed > device_hit):
+            # spec/manager.md §4.8, spec/tiers.md §3: the device hit is re-ranked after the load
+            # ranked the loaded blocks, so the chain's head ends most recent in the tiers.
+            self._connector.touch(req.hashes[:device_hit], r)
+        transfer: KVTransfer = _DONE
+        if req.load is not None and req.load.state == "pending":
+            transfer = req.load.handle  # Spec §4: a repeated alloc returns the load still in flight
+        # Spec §4.9: input_tokens counts each forward's active tokens once.
+        if req.counted_gen == req.step_gen:
+            m.input_tokens += ctx.active_length - req.counted_active
+        else:
+            m.input_tokens += ctx.active_length
+        req.counted_gen, req.counted_active = req.step_gen, ctx.active_length
+        return transfer
 
     def _run_copies(self, req: _Request, copies: list) -> None:
-        """Byte copies of an alloc, run only once nothing can fail any more."""
+        """Byte copies of an alloc, run only once nothing can fail any more (spec §4.7)."""
         r, eng = req.replica, self._engine
         for kind, a, src, dst in copies if self._holds_bytes else ():  # spec §1.5: no bytes, no copies
             if kind == "peer":
@@ -749,59 +837,33 @@ class PagedKVCacheManager:
             and req.committed < len(req.hashes)
         )
 
-    def _load_external(self, req: _Request, ctx: TextContext) -> KVTransfer:
-        r, page, k = req.replica, self._page, req.committed
-        tokens = ctx.tokens
-        max_n = min(len(req.hashes) - k, (ctx.active_length - 1) // page)
-        if req.lookup is not None:
-            start, held = req.lookup
-            n = max(0, start + held - k) if start <= k else 0
-        else:
-            n = self._lookup(req, ctx, k)
-        req.lookup, req.lookup_pending, req.ext_point = None, False, False
-        n = min(n, max_n)
-        if n <= 0:
-            return CompletedTransfer()
-        pages = req.rows[self._conn_leaf][k : k + n]
-        hashes = req.hashes[k : k + n]
-        toks = np.array(tokens[k * page : (k + n) * page], dtype=np.int32).reshape(n, page)
-        try:
-            handle = self._connector.load(pages, hashes, toks, r)
-            done = handle.is_complete()
-        except KVLoadRefused:
-            # Spec §9.3: a refused load is a clean miss; the pages stay the request's.
-            # connector_loads_refused is the connector's counter (no double count).
-            return CompletedTransfer()
-        except KVLoadFailed:
-            # Spec §9.3: failed at post or first poll: miss at the device hit, skip the connector.
-            self._metrics.connector_load_failures += 1
-            req.skip_connector = True
-            return CompletedTransfer()
+    def _splice_load(self, req: _Request, ctx: TextContext, load: _Load, done: bool) -> None:
+        """spec §9.3: the posted load's blocks join the hit; published now if complete, else pinned."""
+        n, page, m = len(load.pages), self._page, self._metrics
         ctx.skip_processing(n * page)
-        req.committed = k + n
-        ctx.cached_prefix_length = (k + n) * page
+        req.committed = load.start + n
+        ctx.cached_prefix_length = (load.start + n) * page
         ctx.cached_prefix_external_length = n * page
-        self._metrics.cache_tokens += n * page
-        self._metrics.external_blocks_served += n
-        load = _Load(r, ctx.request_id, k, list(pages), list(hashes), toks, handle)
+        m.cache_tokens += n * page
+        m.external_blocks_served += n
         if done:
             load.state = "landed"
             self._publish_loaded(load)
-            return CompletedTransfer()
-        pool = self._pools[r][self._conn_leaf]
-        for b in pages:
+            return
+        pool = self._pools[load.replica][self._conn_leaf]
+        for b in load.pages:
             pool.touch(b)
-            self._pins[r][b] += 1
+            self._pins[load.replica][b] += 1
         req.load = load
         req.stepped_during_load = False
         self._loads.append(load)
-        return handle
 
-    def _lookup(self, req: _Request, ctx: TextContext, k: int) -> int:
-        toks = np.array(ctx.tokens[k * self._page : len(req.hashes) * self._page], dtype=np.int32)
-        n = self._connector.lookup(req.hashes[k:], toks.reshape(-1, self._page), req.replica)
+    def _lookup(self, op: str, r: int, hashes: list[bytes], tokens: np.ndarray, k: int) -> int:
+        """The connector's answer for the blocks after ``k`` (``TypeError`` unless an int >= 0)."""
+        toks = np.array(tokens[k * self._page : len(hashes) * self._page], dtype=np.int32)
+        n = self._connector.lookup(hashes[k:], toks.reshape(-1, self._page), r)
         if not _is_int(n) or n < 0:
-            raise TypeError(f"alloc: connector.lookup returned {n!r}, must be an int >= 0")
+            raise TypeError(f"{op}: connector.lookup returned {n!r}, must be an int >= 0")
         return int(n)
 
     def _publish_loaded(self, load: _Load) -> None:
@@ -894,12 +956,9 @@ class PagedKVCacheManager:
         if k is None:
             return False
         hashes = self._hashes_for(ctx, req.hashes)
-        toks = np.array(ctx.tokens[k * self._page : len(hashes) * self._page], dtype=np.int32)
-        n = self._connector.lookup(hashes[k:], toks.reshape(-1, self._page), req.replica)
-        if not _is_int(n) or n < 0:
-            raise TypeError(f"start_lookup: connector.lookup returned {n!r}, must be an int >= 0")
+        n = self._lookup("start_lookup", req.replica, hashes, ctx.tokens, k)  # one answer check (spec §9.4)
         req.hashes = hashes
-        req.lookup = (k, int(n))
+        req.lookup = (k, n)
         return True
 
     def awaits_lookup(self, ctx: TextContext) -> bool:
@@ -968,28 +1027,33 @@ class PagedKVCacheManager:
         self._slide(req, ctx)
 
     def _commit(self, req: _Request, ctx: TextContext) -> None:
+        """spec/manager.md §5.1: publish row blocks ``committed .. processed // page`` of every
+        paged leaf as one chain per leaf (``publish_run``), twin dedup, queue for offload."""
         if not self._caching:
             return
-        r, tokens = req.replica, ctx.tokens
-        req.hashes = self._hashes_for(ctx, req.hashes)
-        end = min(ctx.processed_length // self._page, len(req.hashes))
-        run = []
-        i = req.committed
-        while i < end and self._parent_published(req, i):
-            h, toks = req.hashes[i], self._block_tokens(tokens, i)
-            for leaf in self._paged_leaves:
-                row, pool = req.rows[leaf.leaf_id], self._pools[r][leaf.leaf_id]
-                b = row[i]
-                if b != NULL_BLOCK:
-                    row[i] = self._publish_or_twin(pool, b, h, toks)
-            anchor = req.rows[self._anchor.leaf_id][i]
-            if anchor != NULL_BLOCK and self._pools[r][self._anchor.leaf_id].block_hash[anchor] != h:
-                break  # a collision: block i stays uncommitted and is retried at the next step
-            run.append((h, np.array(toks, dtype=np.int32)))
-            i += 1
-        req.committed = max(req.committed, i)
-        if run and self._uses_connector:
-            self._offload_queue[r].append(run)
+        r, page = req.replica, self._page
+        hashes = req.hashes = self._hashes_for(ctx, req.hashes)
+        lo = req.committed
+        end = min(ctx.processed_length // page, len(hashes))
+        if end <= lo or not self._parent_published(req, lo):
+            return
+        tokens = ctx.tokens[lo * page : end * page]
+        stop = end
+        for leaf in self._commit_order:  # the anchor first: nothing past its stop is published
+            row, pool = req.rows[leaf.leaf_id], self._pools[r][leaf.leaf_id]
+            kept = pool.publish_run(row[lo:stop], hashes[lo:stop], tokens[: (stop - lo) * page])
+            for j, c in enumerate(kept):
+                b = row[lo + j]
+                if c != b:  # spec §5.1: twin dedup, keep the published copy (same chain)
+                    pool.touch(c)
+                    row[lo + j] = c
+                    pool.free([b])
+            if leaf is self._anchor:
+                stop = lo + len(kept)  # a collision: block stop is retried at the next step
+        req.committed = stop
+        if stop > lo and self._uses_connector:
+            toks = np.array(tokens[: (stop - lo) * page], dtype=np.int32).reshape(stop - lo, page)
+            self._offload_queue[r].append(list(zip(hashes[lo:stop], toks)))
 
     def _parent_published(self, req: _Request, i: int) -> bool:
         """spec/manager.md §5.1: block ``i`` may be published, or switched to a twin, only
@@ -1429,34 +1493,6 @@ class PagedKVCacheManager:
                 )
             out.append(per)
         return out
-
-    # ================================================================== atomicity
-
-    def _snapshot(self, req: _Request):
-        r, ctx = req.replica, req.ctx
-        return (
-            req, req.clone(),
-            r, {lid: p.snapshot() for lid, p in self._pools[r].items()},
-            self._metrics.copy(), Counter(self._pins[r]),
-            ctx, ctx.processed_length, ctx.cached_prefix_length, ctx.cached_prefix_external_length,
-            list(self._loads),
-        )
-
-    def _restore(self, snap) -> None:
-        req, saved, r, pools, metrics, pins, ctx, processed, cpl, cpel, loads = snap
-        for k in saved.__dataclass_fields__:
-            setattr(req, k, getattr(saved, k))
-        for lid, s in pools.items():
-            self._pools[r][lid].restore(s)
-        self._metrics = metrics
-        self._pins[r] = pins
-        delta = ctx.processed_length - processed
-        if delta > 0:
-            ctx.rewind_processing(delta)
-        elif delta < 0:
-            ctx.skip_processing(-delta)
-        ctx.cached_prefix_length, ctx.cached_prefix_external_length = cpl, cpel
-        self._loads = loads
 
     # ================================================================== invariants
 

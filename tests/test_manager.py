@@ -559,14 +559,25 @@ def test_joint_hit_is_a_fixed_point_not_a_minimum():
 
     full = Leaf("full", LeafSpec.full(), 4)
     swa = Leaf("swa", LeafSpec.sliding_window(9), 4)  # 2 blocks in window
+
+    class Res:  # the Residency surface: resident(i) and the run from the root
+        def __init__(self, held):
+            self.held = held
+
+        def __call__(self, i):
+            return i in self.held
+
+        def run(self, k):
+            return next((i for i in range(k) if i not in self.held), k)
+
     full_res = {0, 1, 2, 3, 4, 5}
     swa_res = {0, 1, 3, 4}  # hole at 2: hits 5 (needs 3,4) ok; 3 needs 1,2 no; 2 needs 0,1 ok
-    res = {"full": lambda i: i in full_res, "swa": lambda i: i in swa_res}
+    res = {"full": Res(full_res), "swa": Res(swa_res)}
     assert joint_hit([full, swa], 6, res) == 5
     rec = Leaf("rec", LeafSpec.recurrent((2,)), 4)
-    res["rec"] = lambda i: i in {3}  # checkpoint after block 3 -> hit 4: swa needs 2,3 -> no
+    res["rec"] = Res({3})  # checkpoint after block 3 -> hit 4: swa needs 2,3 -> no
     assert joint_hit([full, swa, rec], 6, res) == 0
-    res["rec"] = lambda i: i in {1, 3}  # hit 2: swa needs 0,1 -> ok
+    res["rec"] = Res({1, 3})  # hit 2: swa needs 0,1 -> ok
     assert joint_hit([full, swa, rec], 6, res) == 2
 
 
