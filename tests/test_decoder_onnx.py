@@ -60,6 +60,7 @@ VARIANTS = {
     # two pages of host memory, the rest of what is evicted goes to disk and comes back from it
     "manager-disk-tier": ("manager", FULL, dict(num_blocks=14, host_bytes=8192, disk_bytes=1 << 20), None, 1e-4),
     "manager-sliding": ("manager", SLIDING, dict(num_blocks=16), None, 1e-4),
+    "manager-2-replicas": ("manager", FULL, dict(num_blocks=12, replicas=2, max_batch_size=2), None, 1e-4),
     "manager-bf16": ("manager", FULL, dict(num_blocks=16, dtype="bfloat16"), "bfloat16", BF16_ATOL),
 }
 
@@ -121,12 +122,14 @@ def test_served_tokens_and_logits_equal_onnx_runtime(variant, pkg):
             assert s.external_hit_blocks > 0, s                       # evicted pages came back from a tier
             assert metrics.external_blocks_served == s.external_hit_blocks, metrics
             assert metrics.d2h_bytes_copied > 0 and metrics.h2d_bytes_copied > 0, metrics
+        if variant == "manager-2-replicas":
+            assert metrics.cross_replica_blocks_copied > 0, metrics   # a peer's prefix copied across
         if variant == "manager-disk-tier":
             assert metrics.disk_bytes_written > 0 and metrics.disk_bytes_read > 0, metrics
-        assert server.mgr.block_count().used == 0                     # every page released
+        assert all(server.mgr.block_count(r).used == 0 for r in range(server.replicas))  # every page released
 
 
-@pytest.mark.parametrize("variant", ["slot-paged", "manager", "slot-paged-sliding"])
+@pytest.mark.parametrize("variant", ["slot-paged", "manager", "slot-paged-sliding", "manager-2-replicas"])
 def test_kvref_and_kvfast_make_the_same_decisions(variant):
     _, a, _, _ = run_variant(variant, kvref)
     _, b, _, _ = run_variant(variant, kvfast)
@@ -266,7 +269,7 @@ def test_a_pool_smaller_than_one_request_is_reported(kind):
 # --------------------------------------------------------------------------- kvfast on device="cuda"
 
 CUDA_VARIANTS = ["slot-paged", "slot-contiguous", "slot-paged-sliding", "manager", "manager-sliding",
-                 "manager-host-tier"]
+                 "manager-host-tier", "manager-2-replicas"]
 _CUDA_SCRIPT = r"""
 import dataclasses, json, sys
 sys.path.insert(0, sys.argv[1])

@@ -100,6 +100,7 @@ class _Live:
         self.computed = 0                 # tokens whose K/V are in the cache (slot server)
         self.preempted = False
         self.ctx = None                   # TextContext (manager server)
+        self.replica = 0                  # data-parallel replica (manager server)
 
     @property
     def done(self) -> bool:
@@ -346,6 +347,11 @@ class ManagerServer:
         Disk tier size; 0 = none.
     disk_dir : str, optional
         Directory of the disk tier (needed when ``disk_bytes > 0``).
+    replicas : int
+        Data-parallel replicas (``data_parallel_degree``), each with its own
+        pages and its own batch of at most ``max_batch_size`` requests and its
+        own forward; requests are placed round-robin, so a prefix that only the
+        other replica holds is copied across (``cross_replica_blocks_copied``).
     chunk_size : int
         Largest prefill chunk of one request in one step.
     past_offset : int
@@ -359,9 +365,12 @@ class ManagerServer:
     def __init__(self, kvpkg, model: Decoder, *, num_blocks: int = 24, max_batch_size: int = 4,
                  max_seq_len: int = 64, page_size: int = 4, dtype: str = "float32", host_bytes: int = 0,
                  chunk_size: int = 8, past_offset: int = 0, on_admit: Optional[Callable] = None,
-                 device: str = "cpu", disk_bytes: int = 0, disk_dir: Optional[str] = None):
+                 device: str = "cpu", disk_bytes: int = 0, disk_dir: Optional[str] = None, replicas: int = 1):
         if chunk_size < 1:
             raise ValueError(f"ManagerServer: chunk_size={chunk_size} must be >= 1")
+        if replicas < 1:
+            raise ValueError(f"ManagerServer: replicas={replicas} must be >= 1")
+        self.replicas, self._next_replica = replicas, 0
         cfg = model.config
         self.kv, self.model, self.chunk_size = kvpkg, model, chunk_size
         self.past_offset, self.on_admit = past_offset, on_admit
@@ -374,7 +383,8 @@ class ManagerServer:
                       for leaf, w in zip(self.layer_leaf, cfg.windows)}
         params = kvpkg.KVCacheParams(page_size=page_size, num_layers=cfg.num_layers, kv_heads=cfg.kv_heads,
                                      head_dim=cfg.head_dim, dtype=dtype, host_offload_bytes=host_bytes,
-                                     disk_offload_bytes=disk_bytes, disk_offload_dir=disk_dir, leaves=leaves)
+                                     disk_offload_bytes=disk_bytes, disk_offload_dir=disk_dir, leaves=leaves,
+                                     data_parallel_degree=replicas)
         self.mgr = kvpkg.PagedKVCacheManager(params, num_blocks=num_blocks, max_batch_size=max_batch_size,
                                              max_seq_len=max_seq_len, device=device)
 
@@ -385,9 +395,11 @@ class ManagerServer:
     def _admit(self, live: _Live, ledger: _PrefixLedger, stats: ServeStats) -> bool:
         mgr, ps = self.mgr, self.page_size
         ctx = live.ctx
-        mgr.claim(ctx)
+        mgr.claim(ctx, live.replica)
         # chunk after the hit: the hit is taken at the first alloc, capped by the active length
-        hits = mgr.get_prefix_cache_hit_counts(ctx)[0]
+        hits = mgr.get_prefix_cache_hit_counts(ctx)[live.replica]
+        if self.replicas > 1:   # a peer's blocks are copied over at the hit (a single full leaf)
+            hits = max(mgr.get_prefix_cache_hit_counts(ctx), key=lambda h: h.total_blocks)
         expect = min(hits.total_blocks, (ctx.active_length - 1) // ps) * ps
         if expect + self.chunk_size < ctx.active_length:
             ctx.chunk(expect + self.chunk_size)
@@ -414,12 +426,12 @@ class ManagerServer:
         """The only request (the head of ``waiting``) does not fit: only in-flight tier transfers
         (which pin pages) can free pages now; wait for them, else the pool is too small."""
         mgr = self.mgr
-        if not mgr.pending_transfers_exist():
+        if not any(mgr.pending_transfers_exist(r) for r in range(self.replicas)):
             head = waiting[0].req if isinstance(waiting[0], _Live) else waiting[0]
             raise RuntimeError(f"ManagerServer: request_id={head.request_id!r} does not fit an idle pool of "
                                f"{mgr.block_count().total} blocks")
         deadline = time.monotonic() + 30.0
-        while mgr.pending_transfers_exist():
+        while any(mgr.pending_transfers_exist(r) for r in range(self.replicas)):
             if time.monotonic() > deadline:
                 raise RuntimeError("ManagerServer: tier transfers still pending after 30 s")
             time.sleep(0.001)
@@ -440,7 +452,9 @@ class ManagerServer:
                 mgr.poll_transfers()
                 # 1. admit while rows and pages last
                 for item in list(waiting):
-                    if len(running) == self.max_batch_size:
+                    free = [r for r in range(self.replicas)
+                            if sum(l.replica == r for l in running) < self.max_batch_size]
+                    if not free:
                         break
                     live = item if isinstance(item, _Live) else None
                     req = live.req if live else item
@@ -449,6 +463,8 @@ class ManagerServer:
                     if live is None:
                         live = _Live(req, _prompt_of(req, finished))
                         live.ctx = kv.TextContext(req.request_id, live.tokens)
+                    live.replica = min(free, key=lambda r: (r - self._next_replica) % self.replicas)
+                    self._next_replica = (live.replica + 1) % self.replicas   # round-robin placement
                     if not self._admit(live, ledger, stats):
                         break
                     running.append(live)
@@ -465,33 +481,43 @@ class ManagerServer:
                         mgr.alloc(live.ctx)
                         i += 1
                     except kv.InsufficientBlocksError:
-                        if len(running) == 1:
+                        peers = [l for l in running if l.replica == live.replica]
+                        if len(peers) == 1:
                             self._wait_for_pages([live])   # only pinned pages can come back
                             continue
-                        victim = running.pop()
+                        victim = peers[-1]                 # the youngest on this replica
+                        if running.index(victim) < i:
+                            i -= 1
+                        running.remove(victim)
                         mgr.release(victim.ctx)         # its committed pages stay cached
                         victim.ctx.reset()
                         victim.preempted = True
                         waiting.appendleft(victim)
                         stats.preemptions += 1
-                # 3. forward over the lookup table
-                inputs = mgr.runtime_inputs([[l.ctx for l in running]]).inputs[0]
-                q_lens = [l.ctx.active_length for l in running]
-                feed = np.concatenate([l.ctx.active_tokens for l in running])
-                attend = PagedTableAttention(inputs, q_lens, self.model.config.windows, self.layer_leaf)
-                positions = attend.positions
-                if self.past_offset:
-                    positions = positions + self.past_offset * (positions >= 1)
-                logits = self.model.forward(feed, positions, attend, logits_rows=np.cumsum(q_lens) - 1)
+                # 3. forward over the lookup table (one forward per replica: its own batch and pages)
+                batches = [[l for l in running if l.replica == r] for r in range(self.replicas)]
+                inputs = mgr.runtime_inputs([[l.ctx for l in batch] for batch in batches]).inputs
+                row_logits = {}
+                for r, batch in enumerate(batches):
+                    if not batch:
+                        continue
+                    q_lens = [l.ctx.active_length for l in batch]
+                    feed = np.concatenate([l.ctx.active_tokens for l in batch])
+                    attend = PagedTableAttention(inputs[r], q_lens, self.model.config.windows, self.layer_leaf)
+                    positions = attend.positions
+                    if self.past_offset:
+                        positions = positions + self.past_offset * (positions >= 1)
+                    logits = self.model.forward(feed, positions, attend, logits_rows=np.cumsum(q_lens) - 1)
+                    row_logits.update({id(l): logits[b] for b, l in enumerate(batch)})
                 stats.steps += 1
                 stats.chunked_prefill_steps += any(l.ctx.pending_length for l in running)
                 # 4. commit, sample, finish
-                for b, live in enumerate(list(running)):
+                for live in list(running):
                     ctx = live.ctx
                     if ctx.pending_length:
                         ctx.advance_chunk()
                     else:
-                        ctx.update(live.sample(logits[b]))
+                        ctx.update(live.sample(row_logits[id(live)]))
                     mgr.step(ctx)                       # publish the pages the forward filled
                     ledger.publish(ctx.tokens, min(ctx.processed_length, len(ctx) - 1) // ps)
                     if live.done:
