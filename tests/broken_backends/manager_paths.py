@@ -26,8 +26,8 @@ from __future__ import annotations
 import numpy as np
 
 from kvref import PagedKVCacheManager
-from kvref._block_pool import NULL_BLOCK, BlockPool
-from kvspec import InsufficientBlocksError, hashing
+from kvref._block_pool import BlockPool
+from kvspec import CapacityError, InsufficientBlocksError, TextContext, hashing
 
 from ._common import backend_like_kvref, swap_pools
 
@@ -86,12 +86,15 @@ def deferred_alloc_counts_twice():
 
 
 class _ChunkCapWholePages(PagedKVCacheManager):
-    def _splice_device_hit(self, req, ctx, copies):
-        if not ctx.pending_length:
-            return super()._splice_device_hit(req, ctx, copies)
-        ctx._active += 1  # the cap sees one active token more than there is
+    def alloc(self, ctx, *, defer_lookup=False):
+        req = self._requests.get(getattr(ctx, "request_id", None))
+        at_reuse = (req is not None and isinstance(ctx, TextContext) and ctx.pending_length
+                    and ctx.processed_length == 0 and not any(req.rows.values()))
+        if not at_reuse:
+            return super().alloc(ctx, defer_lookup=defer_lookup)
+        ctx._active += 1  # the hit cap sees one active token more than there is
         try:
-            return super()._splice_device_hit(req, ctx, copies)
+            return super().alloc(ctx, defer_lookup=defer_lookup)
         finally:
             ctx._active -= 1
 
@@ -145,58 +148,49 @@ def decode_growth_late():
     return _backend("decode-growth-late", _DecodeGrowthLate)
 
 
-class _GrowCheck(PagedKVCacheManager):
-    """kvref's ``_grow`` with the capacity check replaced by ``_too_few``."""
-
-    def _splice_device_hit(self, req, ctx, copies):
-        self._free_before_splice = {lid: p.num_free for lid, p in self._pools[req.replica].items()}
-        return super()._splice_device_hit(req, ctx, copies)
-
-    def _grow(self, req, ctx, copies):
-        pools = self._pools[req.replica]
-        required = self._required_blocks(ctx)
-        need = {}
-        for leaf in self._leaves:
-            row = req.rows[leaf.leaf_id]
-            n = ((0 if row else 1) + (1 if self._caching and len(row) < 2 else 0)) if leaf.is_recurrent else max(required - len(row), 0)
-            free = self._free_count(leaf.leaf_id, pools[leaf.leaf_id])
-            if self._too_few(n, free):
-                raise InsufficientBlocksError(
-                    f"alloc: request_id={ctx.request_id!r} needs {n} blocks of leaf {leaf.leaf_id!r}, "
-                    f"{free} free or evictable on replica {req.replica}"
-                )
-            need[leaf.leaf_id] = n
-        self._free_before_splice = {}
-        for leaf in self._leaves:  # the draw without kvref's own check: BlockPool.allocate raises CapacityError
-            n = need[leaf.leaf_id]
-            if not n:
-                continue
-            row = req.rows[leaf.leaf_id]
-            pages = pools[leaf.leaf_id].allocate(n)
-            if leaf.is_recurrent and not row:
-                src = req.restore.get(leaf.leaf_id)
-                copies.append(("restore", leaf.leaf_id, src if src is not None else NULL_BLOCK, pages[0]))
-            row.extend(pages)
-
-    def _free_count(self, leaf_id, pool):
-        return pool.num_free
-
-    def _too_few(self, n, free):
-        return n > free
+def _sizes(m, ctx):
+    """(pages the next forward needs beyond what the request holds, free pages, at the reuse point)."""
+    req = m._requests.get(ctx.request_id)
+    held = len(m.get_req_blocks_per_leaf(ctx)["full"]) if req is not None else 0
+    need = max(-(-ctx.current_position // m.params.page_size) - held, 0)
+    reuse = req is not None and ctx.processed_length == 0 and held == 0
+    return need, m.block_count(req.replica if req is not None else 0).free, reuse
 
 
-class _RevivedHitsCountedFree(_GrowCheck):
-    def _free_count(self, leaf_id, pool):
-        return getattr(self, "_free_before_splice", {}).get(leaf_id, pool.num_free)
+class _RevivedHitsCountedFree(PagedKVCacheManager):
+    """The capacity check counts the hit pages it revives from the free list as free:
+    where the right answer is ``InsufficientBlocksError``, the allocation itself
+    runs out (the pool's ``CapacityError``)."""
+
+    def alloc(self, ctx, *, defer_lookup=False):
+        need, free, reuse = _sizes(self, ctx) if isinstance(ctx, TextContext) and self.contains(ctx) else (0, 0, False)
+        try:
+            return super().alloc(ctx, defer_lookup=defer_lookup)
+        except InsufficientBlocksError:
+            hits = self.get_prefix_cache_hit_counts(ctx)[0].device_blocks if reuse else 0
+            if reuse and hits and need - hits <= free:
+                raise CapacityError(f"BlockPool.allocate: needs {need - hits} blocks, "
+                                    f"{free - hits} free or evictable") from None
+            raise
 
 
 def revived_hits_counted_free():
     return _backend("revived-hits-counted-free", _RevivedHitsCountedFree)
 
 
-class _CapacityOffByOne(_GrowCheck):
-    def _too_few(self, n, free):
-        return n > 0 and n >= free
+class _CapacityOffByOne(PagedKVCacheManager):
+    """``InsufficientBlocksError`` when a request needs exactly the free page count."""
+
+    def alloc(self, ctx, *, defer_lookup=False):
+        if isinstance(ctx, TextContext) and self.contains(ctx):
+            need, free, reuse = _sizes(self, ctx)
+            if reuse and self.get_prefix_cache_hit_counts(ctx)[0].device_blocks:
+                need = 0  # (a hit changes the count: leave those to kvref)
+            if need and need >= free:
+                raise InsufficientBlocksError(
+                    f"alloc: request_id={ctx.request_id!r} needs {need} blocks of leaf 'full', "
+                    f"{free} free or evictable on replica 0")
+        return super().alloc(ctx, defer_lookup=defer_lookup)
 
 
 def capacity_off_by_one():
@@ -204,8 +198,8 @@ def capacity_off_by_one():
 
 
 class _HitRunCapped(PagedKVCacheManager):
-    def _device_hit(self, r, hashes, tokens, cap):
-        return super()._device_hit(r, hashes, tokens, min(cap, 15))
+    def _device_hit(self, r, hashes, tokens, cap, *args, **kw):
+        return super()._device_hit(r, hashes, tokens, min(cap, 15), *args, **kw)
 
 
 def hit_run_capped():
