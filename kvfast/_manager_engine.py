@@ -132,5 +132,20 @@ class CudaManagerEngine(FastManagerEngine):
         with self._cp.cuda.Device(self.device_id):
             return self._cp.asarray(array)
 
+    def copy_page(self, dst, dst_page: int, src, src_page: int) -> None:
+        """``dst[dst_page] = src[src_page]`` through ``copy_blocks.cu`` (cross-replica copies,
+        recurrent checkpoints; both buffers on this device)."""
+        from ._cuda.copy_blocks import copy_blocks
+
+        with self._cp.cuda.Device(self.device_id):
+            copy_blocks(src, dst, np.array([[src_page, dst_page]], np.int64))
+
+    def zero_page(self, buffer, page: int) -> None:
+        """``buffer[page] = 0`` through ``state.cu``'s zeroing kernel (a fresh recurrent state)."""
+        from ._cuda.state import state_zero_rows
+
+        with self._cp.cuda.Device(self.device_id):
+            state_zero_rows(buffer, np.array([page], np.int64))
+
     def __repr__(self) -> str:
         return f"CudaManagerEngine(device_id={self.device_id})"

@@ -443,3 +443,69 @@ def test_launchers_refuse_layouts_their_kernels_misread(emulated):
         append_kv(key, key, buf, buf, cp.asarray(np.array([0, 1, 2], np.int64)), block_size=1, block_stride=16,
                   row_stride=16)
     assert buf.get().tobytes() == before  # nothing ran
+
+
+def test_manager_scheduler_diff_on_cuda(emulated, monkeypatch):
+    """tests/test_kvfast_differential.py's ManagerDiff (replicas, hybrid full + sliding + recurrent
+    leaves) with the kvfast manager on cuda:0."""
+    import test_kvfast_differential as d
+    from hypothesis import HealthCheck
+    from hypothesis import strategies as st
+    from hypothesis.stateful import initialize
+
+    host_norm = d._norm
+
+    def norm(v):  # device arrays (lookup tables, cache lengths) compared as host copies
+        return host_norm(v.get() if isinstance(v, emulated.ndarray) else v)
+
+    monkeypatch.setattr(d, "_norm", norm)
+
+    class OnCuda(d.ManagerDiff):
+        @initialize(cfg=st.sampled_from(["hybrid", "replicas", "fast"]), num_blocks=st.integers(4, 12))
+        def setup(self, cfg, num_blocks):
+            super().setup(cfg, num_blocks)
+            self.sides[1] = kvfast.PagedKVCacheManager(self.params, num_blocks=num_blocks, max_batch_size=3,
+                                                       max_seq_len=d.MAX_SEQ, device="cuda")
+
+    run_state_machine_as_test(OnCuda, settings=settings(max_examples=15, stateful_step_count=20, deadline=None,
+                                                         suppress_health_check=[HealthCheck.too_slow]))
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_cross_replica_copies_and_state_zeroing_use_the_kernels(emulated, monkeypatch, hybrid):
+    """A prefix published on replica 0 and hit on replica 1 is copied by copy_blocks.cu; a recurrent
+    leaf's fresh state is zeroed by state.cu; the device buffers equal kvref's byte for byte."""
+    import kvfast._cuda.copy_blocks as cb
+    import kvfast._cuda.state as stt
+    from kvspec import KVCacheParams, LeafSpec, TextContext
+    from kvspec.conformance._compare import to_numpy
+    from kvspec.conformance.manager_machine import write_forward
+
+    calls = {"copy_blocks": 0, "state_zero_rows": 0}
+    for mod, name in ((cb, "copy_blocks"), (stt, "state_zero_rows")):
+        orig = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _o=orig, _n=name, **k: (calls.__setitem__(_n, calls[_n] + 1),
+                                                                           _o(*a, **k))[1])
+    kw = {"leaves": {"full": LeafSpec.full(), "rec": LeafSpec.recurrent((2,))}} if hybrid else {}
+    params = KVCacheParams(page_size=2, num_layers=1, kv_heads=1, head_dim=4, dtype="float16",
+                           data_parallel_degree=2, **kw)
+    out = []
+    for mod, dev in ((kvref, "cpu"), (kvfast, "cuda")):
+        m = mod.PagedKVCacheManager(params, num_blocks=10, max_batch_size=2, max_seq_len=16, device=dev)
+        a = TextContext("a", list(range(7)))
+        m.claim(a, 0)
+        m.alloc(a)
+        write_forward(m, a, 3, 0)
+        a.update(9)
+        m.step(a)
+        b = TextContext("b", list(range(7)) + [5])
+        m.claim(b, 1)
+        m.alloc(b)  # hits a's prefix on the other replica: peer copies (full-leaf managers)
+        bufs = [m.get_device_buffer(r) for r in range(2)]
+        out.append([{k: to_numpy(v).tobytes() for k, v in x.items()} if isinstance(x, dict) else to_numpy(x).tobytes()
+                    for x in bufs])
+    assert out[0] == out[1]
+    if hybrid:
+        assert calls["state_zero_rows"] > 0
+    else:
+        assert calls["copy_blocks"] > 0
