@@ -387,3 +387,73 @@ def test_step_past_the_rows_is_refused(kv_backend, kv_oracle):
     msg = p.raises("manager.step(ctx_b)  # one page short", lambda m, cs: m.step(cs["b"]), ValueError)
     assert "processed_length=4 > 2 tokens" in msg, msg
     p.agree()
+
+
+def test_runtime_inputs_short_rows_message(kv_backend, kv_oracle):
+    """spec/manager.md §8 (3): a context short of blocks is refused with the counts the
+    spec prints (``len(row) * page_size`` tokens pass, one more fails); after
+    ``alloc`` the same batch is accepted and padded with the null block."""
+    p = _pair(kv_backend, kv_oracle, page=4)
+    _claim(p, "a", [1, 2, 3, 4, 5, 6, 7])
+    _run(p, "a", token=8, seed=1)  # 8 tokens in 2 pages: current_position 8 passes
+    p.ok("manager.runtime_inputs([[ctx_a]])", lambda m, cs: m.runtime_inputs([[cs["a"]]]).inputs[0].cache_lengths)
+    for cs in (p.ctx_ref, p.ctx_sut):
+        cs["a"].update(9)  # one more token, no alloc: current_position 9
+    msg = p.raises("manager.runtime_inputs([[ctx_a]])  # short of blocks",
+                   lambda m, cs: m.runtime_inputs([[cs["a"]]]), ValueError)
+    want = ("batches[0][0] request_id='a' holds 2 blocks of leaf 'full' (8 tokens) < current_position=9; "
+            "it does not have sufficient blocks, alloc must be called first")
+    assert want in msg, f"message {msg!r} must contain {want!r}"
+    _alloc(p, "a")
+    r, s = p.ok("manager.runtime_inputs([[ctx_a]])", lambda m, cs: m.runtime_inputs([[cs["a"]]]).inputs[0])
+    lut = to_numpy(s.lookup_table)
+    assert lut.shape == (1, 8) and (lut[0, :3] != 0).all() and not lut[0, 3:].any(), f"lookup_table {lut}"
+    assert to_numpy(s.cache_lengths).tolist() == [8], f"cache_lengths {s.cache_lengths}"
+    p.agree()
+
+
+def test_recurrent_checkpoint_and_restore(kv_backend, kv_oracle):
+    """spec/manager.md §5.2, §4.5, §4.7: a step ending exactly on a page boundary
+    checkpoints the recurrent state; a later hit restores that state's bytes into
+    the new request's live page (a fresh state starts at zero); a step ending
+    inside a page checkpoints nothing, so a prompt cached only there is no hit."""
+    from kvspec._manager_types import LeafSpec
+
+    require(kv_backend, "manager", "prefix_caching", "recurrent_leaf")
+    leaves = {"full": LeafSpec.full(), "rec": LeafSpec.recurrent((2, 2))}
+    p = _pair(kv_backend, kv_oracle, page=2, leaves=leaves)
+
+    def set_state(rid, value):
+        for m, cs in ((p.ref, p.ctx_ref), (p.sut, p.ctx_sut)):
+            live = m.get_req_blocks_per_leaf(cs[rid])["rec"][0]
+            buf = m.get_device_buffer(0)["rec"]
+            if isinstance(buf, np.ndarray):
+                buf[live] = value
+            else:  # pragma: no cover - GPU arrays
+                from kvspec.conformance._compare import to_device
+
+                buf[live] = to_device(value)
+
+    def live_state(rid):
+        live = p.sut.get_req_blocks_per_leaf(p.ctx_sut[rid])["rec"][0]
+        return to_numpy(p.sut.get_device_buffer(0)["rec"])[live]
+
+    state = np.array([[1.5, -2.0], [0.25, 3.0]], np.float32)
+    _claim(p, "a", [1, 2, 3, 4])
+    _alloc(p, "a")
+    assert not live_state("a").any(), "a fresh recurrent state starts at zero"
+    set_state("a", state)
+    _run(p, "a", token=5, seed=1, alloc=False)  # processed 4: a page boundary, checkpointed
+    _release(p, "a")
+    _claim(p, "b", [1, 2, 3, 4, 6, 6])
+    _alloc(p, "b")
+    assert _ctx(p, "b")[2] == 4, f"b's hit {_ctx(p, 'b')[2]} tokens, expected 4 (the checkpoint at 4)"
+    assert_same(state, live_state("b"), "recurrent state restored from the checkpoint")
+    _claim(p, "c", [5, 5, 5])
+    _run(p, "c", token=5, seed=2)  # processed 3: inside a page, no checkpoint
+    _release(p, "c")
+    _claim(p, "d", [5, 5, 5, 5, 1])
+    _alloc(p, "d")
+    assert _ctx(p, "d")[2] == 0, f"d's hit {_ctx(p, 'd')[2]} tokens: no checkpoint backs it, expected 0"
+    assert not live_state("d").any(), "without a hit the state starts at zero"
+    p.agree()
