@@ -10,6 +10,8 @@ Exit status 0 means every test passed (the mutant survived). Hypothesis runs
 without its example database (a failure found for one mutant must not be
 replayed for the next) and derandomized (the same examples on every run, so a
 score is reproducible); ``--random`` draws fresh examples instead.
+``--parallel-scatter-pass`` then runs the K/V byte tests once more with
+``KVFAST_PARALLEL_SCATTER=1`` (kvfast's off-default scatter path).
 """
 
 from __future__ import annotations
@@ -17,18 +19,34 @@ from __future__ import annotations
 import sys
 
 
+#: ``--parallel-scatter-pass``: the K/V byte tests again with kvfast's off-default parallel
+#: scatter (read at import, so in a second process). The one case that fails on unmutated
+#: kvfast (a strided V in a long run, a kvfast bug: tests/test_conformance_teeth.py) is left out.
+_SCATTER_PASS = ["-m", "pytest", "--pyargs", "kvspec.conformance.test_kv_bytes", "-x", "-q", "-p", "no:cacheprovider",
+                 "--kv-quick", "--kv-no-shrink", "-k", "not (test_large_steps and strided_v and contiguous)"]
+
+
 def main(argv: list[str]) -> int:
+    import os
+    import subprocess
+
     from hypothesis import settings
 
+    scatter = "--parallel-scatter-pass" in argv
     derandomize = "--random" not in argv
-    argv = [a for a in argv if a != "--random"]
+    argv = [a for a in argv if a not in ("--random", "--parallel-scatter-pass")]
     settings.register_profile("kvcache-mutation", database=None, derandomize=derandomize)
     settings.load_profile("kvcache-mutation")
     import pytest
 
     args = ["-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "--pyargs", "kvspec.conformance",
             "--kv-quick", "--kv-no-shrink", *argv]
-    return int(pytest.main(args))
+    rc = int(pytest.main(args))
+    if rc or not scatter:
+        return rc
+    backend = [a for a in argv if a.startswith("--kv-backend=")]
+    env = dict(os.environ, KVFAST_PARALLEL_SCATTER="1")
+    return subprocess.run([sys.executable, *_SCATTER_PASS, *backend], env=env).returncode
 
 
 if __name__ == "__main__":
