@@ -304,20 +304,28 @@ def config_workload(num_requests: int, seed: int = 7):
     return prompts, rng.integers(0, VOCAB, size=(num_requests, 17), dtype=np.int64)
 
 
+#: Prefill chunk of the scheduler loop when the manager asks for page-aligned chunks (recurrent leaves).
+CHUNK = 256
+
+
 def scheduler_loop(manager_cls, config: str, prompts, gen, *, wave: int = 16, num_blocks: int = 1200) -> dict:
     """Drive ``manager_cls`` the way a scheduler does (issue 12): per wave, ``claim`` + ``alloc``
-    (prefix hit), a prefill forward (chunked at a page boundary first when
-    ``chunk_alignment_tokens`` asks, so recurrent checkpoints publish), then 16 decode steps, each
-    ``alloc`` + ``runtime_inputs`` + ``update`` + ``step``; finally ``release``. Returns the
-    seconds spent in manager calls, hit tokens and peak blocks."""
+    (prefix hit), then forwards until every request sampled its tokens: ``alloc`` +
+    ``runtime_inputs`` + the forward (prefill in chunks ending at multiples of ``CHUNK`` tokens when
+    ``chunk_alignment_tokens`` asks, so recurrent checkpoints publish; then one sampled token) +
+    ``step``; finally ``release``. Returns the CPU seconds of this thread spent in manager calls
+    (``time.thread_time``: the bookkeeping itself, not the tiers' worker threads, and not time
+    lost to other processes on a loaded machine), hit tokens and peak blocks."""
     from kvspec import TextContext
 
     params = manager_params(config)
     dp = params.data_parallel_degree
     gc.collect()
     m = manager_cls(params, num_blocks=num_blocks, max_batch_size=wave, max_seq_len=4096)
+    gc.collect()
+    gc.freeze()  # as replay_manager: time the bookkeeping, not collections of the workload's arrays
     align = m.chunk_alignment_tokens
-    perf = time.perf_counter
+    perf = time.thread_time  # CPU time of this thread: the bookkeeping, robust on a shared machine
     busy = 0.0
     hits = peak = 0
     try:
@@ -330,34 +338,45 @@ def scheduler_loop(manager_cls, config: str, prompts, gen, *, wave: int = 16, nu
                 m.alloc(ctx)
                 hits += ctx.cached_prefix_length
             busy += perf() - t0
-            for ctx in ctxs:
-                if align:  # a non-final chunk ending at a page boundary
-                    n = (ctx.current_position - 1) // align * align - ctx.processed_length
-                    if 1 <= n < ctx.active_length:
-                        ctx.chunk(n)
-            for s in range(gen.shape[1]):
+            sampled = [0] * len(ids)  # sampled tokens so far, per request
+            first = True
+            while True:
+                live = [j for j in range(len(ids)) if sampled[j] < gen.shape[1]]
+                if not live:
+                    break
                 t0 = perf()
-                if s:
-                    for ctx in ctxs:
-                        m.alloc(ctx)
-                m.runtime_inputs([[c for i, c in zip(ids, ctxs) if i % dp == r] for r in range(dp)])
+                if not first:
+                    for j in live:
+                        m.alloc(ctxs[j])
+                first = False
                 busy += perf() - t0
-                for i, ctx in zip(ids, ctxs):  # the forward
+                for j in live:  # chunked prefill at page-aligned 256-token boundaries when asked
+                    ctx = ctxs[j]
+                    if align and ctx.active_length > 1:
+                        n = CHUNK - ctx.processed_length % CHUNK
+                        if n < ctx.active_length:
+                            ctx.chunk(n)
+                t0 = perf()
+                m.runtime_inputs([[ctxs[j] for j in live if ids[j] % dp == r] for r in range(dp)])
+                busy += perf() - t0
+                for j in live:  # the forward
+                    ctx = ctxs[j]
                     if ctx.pending_length:
                         ctx.advance_chunk()
                     else:
-                        ctx.update(int(gen[i, s]))
+                        ctx.update(int(gen[ids[j], sampled[j]]))
+                        sampled[j] += 1
                 t0 = perf()
-                for ctx in ctxs:
-                    m.step(ctx)
+                for j in live:
+                    m.step(ctxs[j])
                 busy += perf() - t0
             peak = max(peak, max(m.block_count(r).used for r in range(dp)))
             t0 = perf()
             for ctx in ctxs:
                 m.release(ctx)
             busy += perf() - t0
-        m.shutdown()
     finally:
+        gc.unfreeze()
         m.shutdown()
     return {"seconds": busy, "hit_tokens": hits, "peak_blocks": peak}
 

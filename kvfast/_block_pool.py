@@ -288,8 +288,12 @@ class BlockPool:
         """Take one more reference; a free (published) block leaves the free list."""
         if block == NULL_BLOCK:
             raise ValueError("BlockPool.touch: block 0 is the null block")
-        if self.ref_count[block] == 0:
-            _fl.unlink(self._prev, self._next, block)
+        if self.ref_count[block] == 0:  # unlink in Python: one block is cheaper than a kernel call
+            prv, nxt = self._prev, self._next
+            p, n = prv[block], nxt[block]
+            nxt[p] = n
+            prv[n] = p
+            prv[block] = nxt[block] = -1
             self._num_free -= 1
         self.ref_count[block] += 1
 
@@ -317,6 +321,9 @@ class BlockPool:
         A block reaching 0 goes to the front of the free list if unpublished,
         to the back if published. The null block is skipped.
         """
+        if type(blocks) is list and len(blocks) == 1:
+            self._free_one(blocks[0])  # one block (a twin, an unpinned page): no kernel call
+            return
         arr = np.asarray(blocks if isinstance(blocks, np.ndarray) else list(blocks), dtype=np.int64)
         if arr.size == 0:
             return
@@ -326,6 +333,33 @@ class BlockPool:
         if bad >= 0:
             b = int(arr[bad])
             raise AssertionError(f"BlockPool.free: block {b} ref_count={int(self.ref_count[b])}")
+
+    def _free_one(self, b: int) -> None:
+        """``free([b])`` in Python, the free list's rule (front if unpublished, back if published)."""
+        if b == NULL_BLOCK:
+            return
+        rc = self.ref_count
+        if rc[b] <= 0:
+            raise AssertionError(f"BlockPool.free: block {b} ref_count={int(rc[b])}")
+        rc[b] -= 1
+        if rc[b]:
+            return
+        prv, nxt = self._prev, self._next
+        if self._published[b]:
+            t = self._tail
+            p = prv[t]
+            nxt[p] = b
+            prv[b] = p
+            nxt[b] = t
+            prv[t] = b
+        else:
+            h = self._head
+            n = nxt[h]
+            nxt[h] = b
+            prv[b] = h
+            nxt[b] = n
+            prv[n] = b
+        self._num_free += 1
 
     def publish(self, block: int, block_hash: bytes, tokens) -> int:
         """Enter ``block`` into the prefix index under ``block_hash``.

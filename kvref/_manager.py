@@ -106,25 +106,23 @@ class _Request:
     counted_active: int = 0
 
 
-@dataclass
 class _AllocPlan:
     """What ``alloc`` will do, decided before anything changes (spec/manager.md §4)."""
 
-    undo_load: bool = False
-    splice: bool = False
-    local: int = 0  # the local device hit (blocks)
-    k: int = 0  # the device hit with peer-held blocks (spec §7.3)
-    hashes: list = field(default_factory=list)
-    rows: dict = field(default_factory=dict)  # paged leaf -> spliced row
-    nulled: dict = field(default_factory=dict)
-    restore: dict = field(default_factory=dict)  # recurrent leaf -> checkpoint page
-    peer: dict = field(default_factory=dict)  # block index -> (source replica, source page)
-    need: dict = field(default_factory=dict)  # leaf -> pages the sizing draws
-    lookup_pending: bool = False
-    ext_ran: bool = False
-    load: "_Load | None" = None
-    load_done: bool = False
-    load_failed: bool = False
+    __slots__ = ("undo_load", "splice", "local", "k", "hashes", "rows", "nulled", "restore", "peer", "need",
+                 "lookup_pending", "ext_ran", "load", "load_done", "load_failed")
+
+    def __init__(self):
+        self.undo_load = self.splice = self.lookup_pending = self.ext_ran = False
+        self.load_done = self.load_failed = False
+        self.local = self.k = 0
+        self.hashes: list[bytes] = []
+        self.rows: dict[str, list[int]] = {}  # paged leaf -> spliced row
+        self.nulled: dict[str, int] = {}
+        self.restore: dict[str, int] = {}  # recurrent leaf -> checkpoint page
+        self.peer: dict[int, tuple[int, int]] = {}  # block index -> (source replica, source page)
+        self.need: dict[str, int] = {}  # leaf -> pages the sizing draws
+        self.load: _Load | None = None
 
 
 #: ``alloc``'s result when nothing is in flight (immutable, shared).
@@ -250,6 +248,8 @@ class PagedKVCacheManager:
         # The leaf whose rows carry the chain for twin dedup (spec §5.1): a full leaf if any.
         self._anchor = next((leaf for leaf in self._paged_leaves if leaf.kind is LeafKind.FULL), self._paged_leaves[0])
         self._commit_order = [self._anchor] + [leaf for leaf in self._paged_leaves if leaf is not self._anchor]
+        self._sliding_leaves = [leaf for leaf in leaves if leaf.is_sliding]
+        self._recurrent_leaves = [leaf for leaf in leaves if leaf.is_recurrent]
 
         self._engine = engine
         self._pools: list[dict[str, BlockPool]] = [
@@ -264,7 +264,8 @@ class PagedKVCacheManager:
         self._requests: dict[str, _Request] = {}
         self._metrics = KVCacheMetrics()
         self._pins: list[Counter] = [Counter() for _ in range(self._dp)]
-        self._offload_queue: list[list[list[tuple[bytes, np.ndarray]]]] = [[] for _ in range(self._dp)]
+        # per replica: committed runs (hashes, int32 tokens [n, page]) waiting for the next post
+        self._offload_queue: list[list[tuple[list[bytes], np.ndarray]]] = [[] for _ in range(self._dp)]
         self._loads: list[_Load] = []
         self._offloads: list[_Offload] = []
 
@@ -566,7 +567,8 @@ class PagedKVCacheManager:
         self._check_len(op, ctx)
         if req.dummy:
             return self._size_dummy(req)
-        self._drain()  # Spec §9.2: finished transfers land before anything is sized.
+        if self._loads or self._offloads:
+            self._drain()  # Spec §9.2: finished transfers land before anything is sized.
         if req.load is not None and req.load.state == "failed" and req.ran_past:
             raise RuntimeError(
                 f"alloc: request_id={ctx.request_id!r} ran past a failed load of {len(req.load.pages)} blocks "
@@ -595,9 +597,10 @@ class PagedKVCacheManager:
         committed = req.load.start if plan.undo_load else req.committed
         processed = ctx.processed_length - (len(req.load.pages) * page if plan.undo_load else 0)
         ext_point, hashes = req.ext_point, req.hashes
-        touched: dict[str, set[int]] = {leaf.leaf_id: set() for leaf in self._leaves}
+        touched: dict[str, set[int]] = {}  # leaf -> hit pages the splice takes
         pops: list[int] = []  # pages the peer copies draw, in order (spec §7.3)
         if self._at_reuse_point(req, ctx):
+            touched = {leaf.leaf_id: set() for leaf in self._leaves}
             tokens = ctx.tokens
             hashes = self._hashes_for(ctx, req.hashes)
             cap = min(len(hashes), (ctx.active_length - 1) // page)
@@ -648,7 +651,7 @@ class PagedKVCacheManager:
             else:
                 n = max(required - have, 0)
             free = pool.num_free
-            if touched[lid]:
+            if touched.get(lid):
                 free -= pool.count_free(list(touched[lid]))
             if lid == self._conn_leaf:
                 free -= len(pops)
@@ -686,7 +689,7 @@ class PagedKVCacheManager:
         row = plan.rows[conn] if conn in plan.rows else req.rows[conn]
         dest = list(row[k : k + n])
         if len(dest) < n:
-            fresh = self._pools[r][conn].peek(len(pops) + plan.need[conn], skip=touched[conn])[len(pops):]
+            fresh = self._pools[r][conn].peek(len(pops) + plan.need[conn], skip=touched.get(conn, ()))[len(pops):]
             dest += fresh[: n - len(dest)]
         toks = np.array(ctx.tokens[k * page : (k + n) * page], dtype=np.int32).reshape(n, page)
         try:
@@ -883,12 +886,12 @@ class PagedKVCacheManager:
                 break
 
     def _unpin(self, r: int, pages: list[int]) -> None:
-        pool = self._pools[r][self._conn_leaf]
-        for b in reversed(pages):
-            self._pins[r][b] -= 1
-            if not self._pins[r][b]:
-                del self._pins[r][b]
-            pool.free([b])
+        pins = self._pins[r]
+        for b in pages:
+            pins[b] -= 1
+            if not pins[b]:
+                del pins[b]
+        self._pools[r][self._conn_leaf].free(pages[::-1])  # spec §9.2: tail first
 
     def _undo_failed_load(self, req: _Request, ctx: TextContext) -> None:
         """Spec §9.6: re-take only the device hit after a load failed post-splice."""
@@ -1023,19 +1026,22 @@ class PagedKVCacheManager:
             req.stepped_during_load = True  # pending: commits wait for the landing
             return
         self._commit(req, ctx)
-        self._checkpoint(req, ctx)
-        self._slide(req, ctx)
+        if self._recurrent_leaves:
+            self._checkpoint(req, ctx)
+        if self._sliding_leaves:
+            self._slide(req, ctx)
 
     def _commit(self, req: _Request, ctx: TextContext) -> None:
         """spec/manager.md §5.1: publish row blocks ``committed .. processed // page`` of every
         paged leaf as one chain per leaf (``publish_run``), twin dedup, queue for offload."""
         if not self._caching:
             return
-        r, page = req.replica, self._page
+        r, page, lo = req.replica, self._page, req.committed
+        if min(ctx.processed_length // page, (len(ctx) - 1) // page) <= lo:
+            return  # no block filled since the last commit (a decode step inside a page)
         hashes = req.hashes = self._hashes_for(ctx, req.hashes)
-        lo = req.committed
         end = min(ctx.processed_length // page, len(hashes))
-        if end <= lo or not self._parent_published(req, lo):
+        if not self._parent_published(req, lo):
             return
         tokens = ctx.tokens[lo * page : end * page]
         stop = end
@@ -1053,7 +1059,7 @@ class PagedKVCacheManager:
         req.committed = stop
         if stop > lo and self._uses_connector:
             toks = np.array(tokens[: (stop - lo) * page], dtype=np.int32).reshape(stop - lo, page)
-            self._offload_queue[r].append(list(zip(hashes[lo:stop], toks)))
+            self._offload_queue[r].append((hashes[lo:stop], toks))
 
     def _parent_published(self, req: _Request, i: int) -> bool:
         """spec/manager.md §5.1: block ``i`` may be published, or switched to a twin, only
@@ -1089,9 +1095,7 @@ class PagedKVCacheManager:
         if i >= len(req.hashes):
             return
         h, toks = req.hashes[i], self._block_tokens(ctx.tokens, i)
-        for leaf in self._leaves:
-            if not leaf.is_recurrent:
-                continue
+        for leaf in self._recurrent_leaves:
             row, pool = req.rows[leaf.leaf_id], self._pools[req.replica][leaf.leaf_id]
             if len(row) < 2 or pool.lookup(h, toks) is not None:
                 continue
@@ -1105,9 +1109,7 @@ class PagedKVCacheManager:
 
     def _slide(self, req: _Request, ctx: TextContext) -> None:
         filled = ctx.processed_length // self._page
-        for leaf in self._paged_leaves:
-            if not leaf.is_sliding:
-                continue
+        for leaf in self._sliding_leaves:
             cut, lo = leaf.window_start(filled), req.nulled.get(leaf.leaf_id, 0)
             if cut <= lo:
                 continue
@@ -1173,22 +1175,17 @@ class PagedKVCacheManager:
         for r in range(self._dp):
             queue, self._offload_queue[r] = self._offload_queue[r], []
             pool = self._pools[r][self._conn_leaf]
-            for run in queue:
-                pages, hashes, toks = [], [], []
-                for h, t in run:
-                    b = pool.lookup(h, t)
-                    if b is None:
-                        break
-                    pages.append(b)
-                    hashes.append(h)
-                    toks.append(t)
+            for hashes, toks in queue:
+                # one batched lookup: the run's pages, up to the first evicted hash
+                pages = pool.lookup_run(hashes, toks.reshape(-1))
                 if not pages:
                     continue
+                n = len(pages)
+                pool.touch_many(pages)
                 for b in pages:
-                    pool.touch(b)
                     self._pins[r][b] += 1
                 try:
-                    handle = self._connector.offload(pages, hashes, np.stack(toks), r)
+                    handle = self._connector.offload(pages, hashes[:n], toks[:n], r)
                     done = handle.is_complete()
                 except Exception:
                     self._metrics.connector_offload_blocks_dropped += len(pages)

@@ -92,3 +92,12 @@ def test_asv_benchmarks_import_and_set_up():
     a.setup("kvfast", "decode", "float16")
     a.time_append_kv("kvfast", "decode", "float16")
     assert np.asarray(a.cache.keys(0)).any()
+
+
+def test_scheduler_loop_agrees_between_packages_in_every_configuration():
+    prompts, gen = bench.config_workload(20)
+    for config in bench.MANAGER_CONFIGS:
+        a = bench.scheduler_loop(kvref.PagedKVCacheManager, config, prompts, gen[:, :4], wave=8, num_blocks=700)
+        b = bench.scheduler_loop(kvfast.PagedKVCacheManager, config, prompts, gen[:, :4], wave=8, num_blocks=700)
+        assert (a["hit_tokens"], a["peak_blocks"]) == (b["hit_tokens"], b["peak_blocks"]), config
+        assert a["peak_blocks"] > 0 and a["hit_tokens"] > 0, config

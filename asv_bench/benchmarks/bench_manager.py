@@ -59,3 +59,34 @@ class DecodeStep:
             m.alloc(c)
             c.update(5)
             m.step(c)
+
+
+class ManagerConfigs:
+    """Issue 12's scheduler loop (``claim``, ``alloc``, ``runtime_inputs`` every step, ``step``,
+    ``release``) in each configuration of ``kvcache.bench.MANAGER_CONFIGS``: one full leaf,
+    two replicas, a host tier, full + sliding window, full + recurrent."""
+
+    params = [["kvref", "kvfast"], ["one full leaf", "data_parallel_degree=2", "host tier",
+                                    "full + sliding window", "full + recurrent"]]
+    param_names = ["package", "config"]
+    timeout = 600
+
+    def setup(self, package, config):
+        import importlib
+
+        from kvcache.bench import config_workload
+
+        self.cls = importlib.import_module(package).PagedKVCacheManager
+        self.prompts, self.gen = config_workload(32)
+
+    def time_scheduler_loop(self, package, config):
+        from kvcache.bench import scheduler_loop
+
+        scheduler_loop(self.cls, config, self.prompts, self.gen)
+
+    def track_hit_tokens(self, package, config):
+        from kvcache.bench import scheduler_loop
+
+        return scheduler_loop(self.cls, config, self.prompts, self.gen)["hit_tokens"]
+
+    track_hit_tokens.unit = "tokens"
