@@ -125,3 +125,20 @@ def test_kvfast_parallel_scatter_option():
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(KVFAST_PARALLEL_SCATTER="1"), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, _tail(proc)
+
+
+@pytest.mark.parametrize("mode", ["PAGED", "CONTIGUOUS"])
+def test_live_kv_reports_a_length_past_the_storage(mode):
+    """Issue 18 item 1: a backend whose ``seq_lens()`` runs past its block table (or its
+    contiguous row) fails with an ``AssertionError`` naming the slot and the bound,
+    not an ``IndexError`` inside the suite's own code (``machine.py:73``)."""
+    import kvref
+    from kvspec import KVCacheConfig, KVCacheMode, KVLayerSpec
+    from kvspec.conformance.machine import live_kv
+
+    cache = kvref.KVCache.make(KVCacheConfig(num_layers=1, max_seqs=2, max_seq_len=8, mode=KVCacheMode[mode],
+                                             block_size=2), [KVLayerSpec.attention(1, 2)])
+    k, v = live_kv(cache, 0, 1, 8)
+    assert k.shape == (8, 1, 2) and v.shape == (8, 1, 2), f"live_kv of a full slot: {k.shape}, {v.shape}"
+    with pytest.raises(AssertionError, match=r"slot 1 has length 9, outside the"):
+        live_kv(cache, 0, 1, 9)
