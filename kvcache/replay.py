@@ -467,7 +467,7 @@ class _Live:
     """Scheduler state of one request."""
 
     __slots__ = ("index", "req", "ctx", "replica", "generated", "admitted_at", "recorded", "transfer",
-                 "transfer_is_first", "failed_load", "n_out")
+                 "transfer_is_first", "failed_load", "n_out", "committed")
 
     def __init__(self, index: int, req: Request):
         self.index = index
@@ -481,6 +481,7 @@ class _Live:
         self.transfer = None
         self.transfer_is_first = False
         self.failed_load = False
+        self.committed = 0  # pages the attribution has seen committed
 
 
 class _Timed:
@@ -766,15 +767,37 @@ class _Loop:
     def _schedule_running(self, batches, budget: int) -> int:
         """Schedule running requests oldest first; returns the token budget left."""
         cap = self.config.max_batch_size
+        running = self.running
+        timed = self.call
+        alloc = self.mgr.alloc
+        pc = time.perf_counter
+        fast = not self.tiers  # without tiers every alloc returns a completed transfer that cannot fail
         i = 0
-        while i < len(self.running):
-            live = self.running[i]
-            if budget == 0 or len(batches[live.replica]) >= cap:
+        while i < len(running):
+            live = running[i]
+            batch = batches[live.replica]
+            if budget == 0 or len(batch) >= cap:
                 i += 1
                 continue
-            if not self._alloc_running(live):
-                continue  # live left the running set; self.running shrank at i
-            budget = self._take(live, batches, budget)
+            if fast:
+                t0 = pc()
+                try:
+                    alloc(live.ctx)
+                    ok = True
+                except InsufficientBlocksError:
+                    ok = False
+                timed.seconds += pc() - t0
+                if not ok and not self._alloc_running(live):
+                    continue  # live left the running set; self.running shrank at i
+            elif not self._alloc_running(live):
+                continue
+            ctx = live.ctx
+            n = ctx.active_length
+            if n <= budget:  # a decode, or a prefill that fits: no chunking
+                batch.append(live)
+                budget -= n
+            else:
+                budget = self._take(live, batches, budget)
             i += 1
         return budget
 
@@ -809,6 +832,7 @@ class _Loop:
     def _preempt(self, live: _Live) -> None:
         # Spec (manager-semantics §9): preemption = release + ctx.reset() + front of the queue.
         self.lost.preempt(live.index, live.ctx.processed_length)
+        live.committed = 0
         self.call("release", live.ctx)
         live.ctx.reset()
         self.running.remove(live)
@@ -916,25 +940,37 @@ class _Loop:
         return budget - ctx.active_length
 
     def _forward(self, rows: list[_Live]) -> None:
-        call, lost = self.call, self.lost
+        timed, lost = self.call, self.lost
+        step = self.mgr.step
+        pc = time.perf_counter
+        ps = self.config.page_size
+        every = lost.recurrent  # checkpoints are tracked at every page boundary
+        spent = 0.0
         for live in rows:
             ctx = live.ctx
-            if ctx.pending_length:
+            decoded = not ctx.pending_length
+            if decoded:
+                ctx.update(int(live.req.output[live.generated]))
+                live.generated += 1
+            else:
                 # Spec manager §5: step after every forward, a non-final chunk's included.
                 ctx.advance_chunk()
-                call("step", ctx)
-                lost.commit(live.index, live.replica, ctx.processed_length)
-                continue
-            ctx.update(int(live.req.output[live.generated]))
-            live.generated += 1
-            call("step", ctx)
-            lost.commit(live.index, live.replica, ctx.processed_length)
-            if live.generated == live.n_out:
-                call("release", ctx)
+            t0 = pc()
+            step(ctx)
+            spent += pc() - t0
+            processed = ctx.processed_length
+            if every or processed // ps > live.committed:
+                live.committed = processed // ps
+                lost.commit(live.index, live.replica, processed)
+            if decoded and live.generated == live.n_out:
+                t0 = pc()
+                self.mgr.release(ctx)
+                spent += pc() - t0
                 self.running.remove(live)
                 self.done += 1
                 if self.preemptions:
                     lost.finish(live.index)
+        timed.seconds += spent
 
     def _wait_for_transfers(self, idle_waits: int) -> int:
         """Nothing could run this step: poll the manager, block on an onload if any."""
