@@ -27,7 +27,7 @@ __all__ = ["KVCache", "require_cuda"]
 
 
 class KVCache(kvref.KVCache):
-    """Slot-indexed serving KV cache, contiguous or paged (DESIGN §4); the fast path.
+    """Slot-indexed serving KV cache, contiguous or paged (``spec/slot-cache.md``); the fast path.
 
     Same constructor (:meth:`make`), methods, results and errors as
     ``kvref.KVCache`` (see there for the full semantics); storage may live on

@@ -151,7 +151,7 @@ def check_make_args(api: str, config, layer_specs) -> tuple[KVLayerSpec, ...]:
     return specs
 
 class KVCache:
-    """Slot-indexed serving KV cache, contiguous or paged (DESIGN §4).
+    """Slot-indexed serving KV cache, contiguous or paged (``spec/slot-cache.md``).
 
     Build it with :meth:`make`; ``KVCache()`` raises ``TypeError``.
 

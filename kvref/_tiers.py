@@ -145,7 +145,7 @@ class TierStats:
 
 
 class TieredConnector:
-    """Host and disk offload tiers for a ``PagedKVCacheManager`` (DESIGN §5).
+    """Host and disk offload tiers for a ``PagedKVCacheManager`` (``spec/tiers.md``).
 
     Parameters
     ----------
@@ -607,7 +607,7 @@ class TieredConnector:
     def touch(self, hashes: Sequence[bytes], replica_idx: int = 0) -> None:
         """Re-rank blocks served from the device: ``hashes`` is root-anchored,
         and the head of the chain ends up most recently used, so a chain's
-        tail is evicted before its head (as on the device, DESIGN §4.2).
+        tail is evicted before its head (as on the device, ``spec/slot-cache.md``).
 
         Raises ``TypeError``/``ValueError`` for bad hashes, ``IndexError`` for
         ``replica_idx``, ``RuntimeError`` before attach or after shutdown;
