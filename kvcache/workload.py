@@ -316,11 +316,54 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
 
 def _trace_tokens(seed: int, domain: int, keys, length: int, stride: int) -> np.ndarray:
     """int32 [len(keys) * length]: token ``j`` of key ``k`` is a pure function of
-    ``(seed, domain, k * stride + j)``; distinct ``(k, j)`` with ``j < stride`` never share an input."""
+    ``(seed, domain, k * stride + j)``; distinct ``(k, j)`` with ``j < stride`` never share an input.
+
+    Computed by one fused Numba loop (:func:`_mix_tokens`); :func:`_trace_tokens_numpy` is the
+    same function in NumPy (the tests hold them equal)."""
+    base = _splitmix64(np.array([seed * 2 + domain], dtype=_U64))[0]
+    keys = np.asarray(keys, dtype=_U64)
+    out = np.empty(keys.size * length, dtype=np.int32)
+    _mix_tokens()(keys, length, _U64(stride), base, _U64(_TRACE_TOKEN_MOD), out)
+    return out
+
+
+def _trace_tokens_numpy(seed: int, domain: int, keys, length: int, stride: int) -> np.ndarray:
+    """:func:`_trace_tokens` in plain NumPy (the definition)."""
     base = _splitmix64(np.array([seed * 2 + domain], dtype=_U64))[0]
     idx = np.asarray(keys, dtype=_U64)[:, None] * _U64(stride) + np.arange(length, dtype=_U64)
     mixed = _splitmix64(idx.ravel() ^ base)
     return (mixed % _U64(_TRACE_TOKEN_MOD) + _U64(1)).astype(np.int32)
+
+
+_MIX = None
+
+
+def _mix_tokens():
+    """The Numba kernel behind :func:`_trace_tokens` (compiled on first use, cached on disk)."""
+    global _MIX
+    if _MIX is None:
+        import numba
+
+        @numba.njit(cache=True, nogil=True)
+        def mix(keys, length, stride, base, mod, out):  # pragma: no cover - compiled
+            one = np.uint64(1)
+            c0 = np.uint64(0x9E3779B97F4A7C15)
+            c1 = np.uint64(0xBF58476D1CE4E5B9)
+            c2 = np.uint64(0x94D049BB133111EB)
+            s30, s27, s31 = np.uint64(30), np.uint64(27), np.uint64(31)
+            pos = 0
+            for a in range(keys.size):
+                k = keys[a] * stride
+                for j in range(length):
+                    x = ((k + np.uint64(j)) ^ base) + c0
+                    x = (x ^ (x >> s30)) * c1
+                    x = (x ^ (x >> s27)) * c2
+                    x = x ^ (x >> s31)
+                    out[pos] = np.int32(x % mod + one)
+                    pos += 1
+
+        _MIX = mix
+    return _MIX
 
 
 def _trace_request(lineno: int, rec: dict, seed: int) -> Request:

@@ -671,3 +671,16 @@ def test_scheduler_limits_hold_every_step(chat, tokens, batch, inflight):
     assert sum(ser["batch_tokens"]) == s.prompt_tokens - s.hit_tokens + s.output_tokens - s.requests
     if tokens == 64:  # chunked prefill: prompts of hundreds of tokens span several steps
         assert s.steps > (s.prompt_tokens - s.hit_tokens) // 64
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**62), domain=st.integers(0, 1),
+       keys=st.lists(st.integers(0, 2**53), min_size=1, max_size=4), length=st.integers(1, 700),
+       stride=st.sampled_from([512, 2**32]))
+def test_trace_tokens_kernel_equals_the_numpy_definition(seed, domain, keys, length, stride):
+    from kvcache import workload as wl
+
+    got = wl._trace_tokens(seed, domain, keys, length, stride)
+    want = wl._trace_tokens_numpy(seed, domain, keys, length, stride)
+    assert got.dtype == np.int32 and np.array_equal(got, want)
+    assert got.min() >= 1
