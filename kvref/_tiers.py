@@ -58,6 +58,14 @@ MAX_TIER_BYTES = 2**62
 MAX_WORKERS = 256
 
 
+def _physical_memory() -> int | None:
+    """Bytes of physical memory, or None where the platform does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 # --------------------------------------------------------------------------- transfers
 
 
@@ -357,9 +365,16 @@ class TieredConnector:
         slots = self.host_bytes // page_bytes
         arena = None
         if holds_bytes and slots:
+            phys = _physical_memory()
+            if phys is not None and slots * page_bytes > phys:
+                # spec/tiers.md §2: refuse up front what would be an OOM kill later (overcommit).
+                raise ValueError(
+                    f"{o}: host_bytes={self.host_bytes} needs an arena of {slots * page_bytes} bytes > "
+                    f"{phys} bytes of physical memory (use less, or allocate_buffers=False to plan)"
+                )
             try:
                 arena = bound[0].alloc_host(slots)
-            except MemoryError:
+            except (MemoryError, OverflowError):
                 raise ValueError(
                     f"{o}: host_bytes={self.host_bytes} needs an arena of {slots} pages of {page_bytes} bytes, "
                     "which cannot be allocated (use less, or allocate_buffers=False to plan)"

@@ -764,3 +764,13 @@ def test_fifo_never_hangs_manager_construction_alloc_or_shutdown(tmp_path, where
         m.release(ctx2)
         assert not os.path.lexists(block_path(tmp_path / "kv", hs[0]))
     run_with_timeout(m.shutdown)
+
+
+def test_a_real_arena_larger_than_physical_memory_is_refused_up_front():
+    """Issue 11 (13)/16: --host-bytes 1TiB with real bytes is a clear ValueError, never MemoryError or OOM."""
+    params = make_params()
+    conn = TieredConnector(host_bytes=1 << 50)
+    with pytest.raises(ValueError, match=r"host_bytes=1125899906842624 needs an arena of \d+ bytes > \d+ bytes of physical"):
+        conn.attach([np.zeros((8,) + params.page_shape, params.np_dtype)], params)
+    assert conn.host_byte_count() == kvref.ByteCount(0, 0)
+    conn.shutdown()
