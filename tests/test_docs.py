@@ -60,6 +60,10 @@ def test_site_builds_in_strict_mode(tmp_path):
                 assert f'id="{api_pages.object_path(package, name)}"' in html, f"{path}: {package}.{name} not rendered"
     api = (site / "api" / "kvspec" / "index.html").read_text(encoding="utf-8")
     assert "Sizes and options of a slot cache" in api  # KVCacheConfig's docstring, rendered
+    # nothing the site shows (guide, spec pages, rendered docstrings) cites a document outside the repository
+    cites = {str(f.relative_to(site)): _OUTSIDE.findall(f.read_text(encoding="utf-8"))
+             for f in site.rglob("*.html") if _OUTSIDE.search(f.read_text(encoding="utf-8"))}
+    assert not cites, cites
     history = (site / "benchmarks" / "index.html").read_text(encoding="utf-8")
     assert "Adding a run" in history and "kvcache-ref-2core" in history
 
