@@ -608,8 +608,10 @@ class KVCache:
         IndexError
             A slot out of range.
         CapacityError
-            ``past + q > max_seq_len``, or (paged) not enough free or evictable
-            blocks. State is unchanged.
+            ``past + q > max_seq_len`` (tested as ``q > max_seq_len - past``, so
+            no value wraps), ``sum(past + q) > 2**31 - 1`` (int32
+            ``cu_seqlens_k``), or (paged) not enough free or evictable blocks.
+            State is unchanged.
         """
         api = "prepare_step"
         cu = _int_vector(api, "cu_seqlens_q", cu_seqlens_q)
@@ -677,7 +679,8 @@ class KVCache:
         TypeError, ValueError, IndexError
             Bad arrays, negative counts, slots out of range or duplicated.
         CapacityError
-            ``seq + n > max_seq_len`` or not enough blocks. State is unchanged.
+            ``seq + n > max_seq_len`` (tested as ``n > max_seq_len - seq``, so no
+            value wraps) or not enough blocks. State is unchanged.
         """
         api = "reserve"
         self._require_paged(api)
