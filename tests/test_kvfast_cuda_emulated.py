@@ -1,8 +1,9 @@
 """kvfast's ``device="cuda"`` paths run in CI on the emulated device (``KVFAST_CUDA_EMULATE=1``).
 
-The ``emulated`` fixture does what ``import kvfast`` does with the variable
-set (registers :mod:`kvfast._cuda.emulate` as ``cupy``) and undoes it after
-the test, so the rest of the session sees the machine as it is. The emulated
+The ``emulated`` fixture sets the variable and registers
+:mod:`kvfast._cuda.emulate` as ``cupy`` for one test (what ``import cupy``
+gives after ``import kvfast`` with the variable set), and undoes both, so the
+rest of the session sees the machine as it is. The emulated
 CuPy copies on ``asarray``, refuses implicit device-to-host conversion and
 host arrays in device operations, and runs the ``.cu`` kernels compiled for
 the host (``kvfast._cuda.harness``) with their launch configuration, so what
@@ -69,8 +70,10 @@ def _run(code: str, **env) -> subprocess.CompletedProcess:
 
 
 def test_variable_selects_emulation_and_nothing_else_does():
-    code = ("import sys, kvfast; m = sys.modules.get('cupy'); "
-            "print(getattr(m, 'KVFAST_EMULATED', False))")
+    code = ("import sys, kvfast\n"
+            "assert 'cupy' not in sys.modules  # import kvfast loads no cupy, emulated or not\n"
+            "try:\n    import cupy\n    print(getattr(cupy, 'KVFAST_EMULATED', False))\n"
+            "except ImportError:\n    print(False)\n")
     on = _run(code, KVFAST_CUDA_EMULATE="1")
     assert on.returncode == 0, on.stderr
     assert on.stdout.strip() == "True"

@@ -19,13 +19,13 @@ def emulating() -> bool:
 
 
 def install_emulation_if_requested() -> bool:
-    """With ``KVFAST_CUDA_EMULATE=1``, register the CPU stand-in as ``cupy`` (``sys.modules``)
-    so every CuPy import of kvfast gets it; never otherwise. Returns whether it did."""
+    """With ``KVFAST_CUDA_EMULATE=1``, make ``import cupy`` answer with the CPU stand-in (a
+    ``sys.meta_path`` finder; nothing is imported yet); never otherwise. Returns whether it did."""
     if not emulating():
         return False
-    from .emulate import install
+    from .emulate import install_finder
 
-    install()
+    install_finder()  # ``import cupy`` now gets the stand-in; nothing is imported yet
     return True
 
 

@@ -1,9 +1,10 @@
 """A CPU stand-in for the part of CuPy kvfast uses, selected by ``KVFAST_CUDA_EMULATE=1``.
 
-It is a *test device*: with the variable set, ``import kvfast`` registers this
-module as ``cupy`` (``sys.modules["cupy"]``, and ``kvfast._cuda._module.cupy()``
-returns it), so every ``device="cuda"`` path of kvfast runs on a machine
-without a GPU; without the variable it is never used. ``kvcache info`` says
+It is a *test device*: with the variable set, ``import kvfast`` puts a finder
+first on ``sys.meta_path`` that answers ``import cupy`` with this module (and
+``kvfast._cuda._module.cupy()`` returns it), so every ``device="cuda"`` path
+of kvfast runs on a machine without a GPU; without the variable it is never
+used (the finder checks the variable at each import). ``kvcache info`` says
 when it is on.
 
 What it keeps of CuPy's behaviour (the parts that hide bugs on a real GPU):
@@ -32,6 +33,7 @@ memory), so ``torch.from_dlpack`` gives a CPU tensor sharing it.
 
 from __future__ import annotations
 
+import importlib.abc
 import importlib.machinery
 import os
 import sys
@@ -47,7 +49,7 @@ from ._sources import KERNELS, source
 
 ENV = "KVFAST_CUDA_EMULATE"
 
-__all__ = ["ENV", "enabled", "install", "module", "is_pinned", "ndarray"]
+__all__ = ["ENV", "enabled", "install", "install_finder", "module", "is_pinned", "ndarray"]
 
 
 def enabled() -> bool:
@@ -667,9 +669,10 @@ def module() -> types.ModuleType:
     if _MODULE is not None:
         return _MODULE
     m = types.ModuleType("cupy", "kvfast's CPU stand-in for CuPy (KVFAST_CUDA_EMULATE=1); see kvfast._cuda.emulate")
-    m.__spec__ = importlib.machinery.ModuleSpec("cupy", None)  # importlib.util.find_spec("cupy") finds it
+    m.__spec__ = importlib.machinery.ModuleSpec("cupy", _FINDER, is_package=True)  # find_spec("cupy") finds it
+    m.__path__ = []  # a package: "import cupy.cuda" resolves through the finder
     cuda = types.ModuleType("cupy.cuda")
-    cuda.__spec__ = importlib.machinery.ModuleSpec("cupy.cuda", None)
+    cuda.__spec__ = importlib.machinery.ModuleSpec("cupy.cuda", _FINDER)
     for name, v in dict(Device=Device, Stream=Stream, Event=Event, runtime=runtime, get_current_stream=get_current_stream,
                         get_elapsed_time=get_elapsed_time, alloc_pinned_memory=alloc_pinned_memory,
                         PinnedMemoryPointer=PinnedMemoryPointer, MemoryPointer=MemoryPointer,
@@ -703,8 +706,37 @@ def module() -> types.ModuleType:
     return m
 
 
+class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves ``import cupy`` / ``import cupy.cuda`` from the emulation while the variable is set
+    (checked at each import, so the finder is inert without it). Nothing is imported until
+    someone imports cupy: ``import kvfast`` still loads no cupy."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name in ("cupy", "cupy.cuda") and enabled():
+            return importlib.machinery.ModuleSpec(name, self, is_package=(name == "cupy"))
+        return None
+
+    def create_module(self, spec):
+        m = module()
+        return m if spec.name == "cupy" else m.cuda
+
+    def exec_module(self, mod):
+        return None
+
+
+_FINDER = _Finder()
+
+
+def install_finder() -> None:
+    """Put the emulation first on ``sys.meta_path`` (idempotent): ``import cupy`` gets it while
+    ``KVFAST_CUDA_EMULATE`` is set, the machine's CuPy (or ``ImportError``) otherwise."""
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
+
+
 def install() -> types.ModuleType:
-    """Register the emulated module as ``cupy`` / ``cupy.cuda`` in ``sys.modules``; return it."""
+    """Register the emulated module as ``cupy`` / ``cupy.cuda`` in ``sys.modules`` now; return it."""
+    install_finder()
     m = module()
     sys.modules["cupy"] = m
     sys.modules["cupy.cuda"] = m.cuda
