@@ -79,8 +79,13 @@ class CudaPageStore:
     Notes
     -----
     ``read`` returns a view of a pinned host buffer the store owns, valid
-    until the next ``read`` (the protocol's contract); ``write`` takes any
-    host uint8 ``[n, page_nbytes]`` array.
+    until the next ``read`` from the same thread (each thread stages through
+    its own buffers); ``write`` takes any host uint8 ``[n, page_nbytes]``
+    array. Staging is ordered after work already queued on ``stream``: the
+    default (the legacy default stream, as torch and CuPy use unless told
+    otherwise) also waits for other blocking streams, but a forward on a
+    non-blocking stream must be that ``stream`` or be synchronized before
+    its pages are offloaded.
     """
 
     holds_bytes = True
