@@ -35,7 +35,9 @@ def format_bytes(n: float) -> str:
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:,.2f} GiB"
+    """GiB with two decimals; below 1 GiB the binary size follows in brackets."""
+    text = f"{n / 2**30:,.2f} GiB"
+    return text if n >= 2**30 or n == 0 else f"{text} ({format_bytes(n)})"
 
 
 def _us(x: float) -> str:
@@ -81,7 +83,8 @@ def format_table(stats: ReplayStats) -> str:
         ("device blocks", f"{total:,} per replica x {s.replicas} (page {s.page_size} tokens)"),
         ("device pool", f"{_gib(s.pool_bytes)} over {s.replicas} replica(s), "
                         f"{s.capacity_tokens:,} tokens of capacity"),
-        ("tiers", f"host {_gib(s.host_bytes)}, disk {_gib(s.disk_bytes)}"
+        ("tiers", f"host {_gib(s.host_bytes) if s.host_bytes else 'none'}, "
+                  f"disk {_gib(s.disk_bytes) if s.disk_bytes else 'none'}"
                   if s.host_bytes or s.disk_bytes else "none"),
         ("block use peak / mean", f"{s.peak_blocks_used:,} / {s.mean_blocks_used:,.1f}  "
                                   f"({pct(s.peak_blocks_used):.1f} % / {pct(s.mean_blocks_used):.1f} %)"),
