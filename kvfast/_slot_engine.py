@@ -336,6 +336,31 @@ class CudaSlotEngine(FastSlotEngine):
             K[slot, :t] = k
             K[slot, t:] = 0
 
+    def zero_rows(self, buffers, slot: int) -> None:  # pragma: no cover - needs a GPU
+        from ._cuda.state import state_zero_rows
+
+        with self._cp.cuda.Device(self._dev):
+            for buf in buffers:
+                state_zero_rows(buf, np.array([slot], np.int64))
+
+    def save_rows(self, buffers, slot: int) -> list:  # pragma: no cover - needs a GPU
+        from ._cuda.state import state_copy_rows
+
+        out = []
+        with self._cp.cuda.Device(self._dev):
+            for buf in buffers:  # state.cu: the checkpoint save, row slot -> a one-row store
+                store = self._cp.empty((1, *buf.shape[1:]), buf.dtype)
+                state_copy_rows(buf, store, np.array([slot], np.int64), np.array([0], np.int64))
+                out.append(store[0])
+        return out
+
+    def restore_rows(self, buffers, slot: int, saved) -> None:  # pragma: no cover - needs a GPU
+        from ._cuda.state import state_copy_rows
+
+        with self._cp.cuda.Device(self._dev):
+            for buf, row in zip(buffers, saved):
+                state_copy_rows(row[None], buf, np.array([0], np.int64), np.array([slot], np.int64))
+
     def attend(self, q, K, V, kind, window: int, step: StepIndices, block_size, scale: float):  # pragma: no cover
         """CuPy version of the reference algorithm (same masks, float32 math)."""
         from ._cuda.convert import query_float32, storage_float32

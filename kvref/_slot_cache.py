@@ -270,6 +270,15 @@ class KVCache:
                 self._conv[l] = [zeros((S, d, spec.conv_width), st_dt) for d in spec.conv_dims]
                 self._rec[l] = None if spec.recurrent is None else zeros((S, *spec.recurrent), st_dt)
         self._has_state = bool(self._conv)
+        #: every state slab (conv slabs in layer and index order, then the recurrent slab, layer by
+        #: layer: the checkpoint order of spec/slot-cache.md §4.3) and every cross plane
+        self._slabs: list = []
+        for l in sorted(self._conv):
+            self._slabs.extend(self._conv[l])
+            if self._rec[l] is not None:
+                self._slabs.append(self._rec[l])
+        self._cross_planes: list = [a for l, sp in enumerate(specs) if sp.kind is LayerKind.CROSS_ATTENTION
+                                    for a in self._kv[l]]
         self._seq = np.zeros(S, np.int32)
         #: encoder length per slot (0 = not filled); shared by all cross layers
         self._enc = np.zeros(S, np.int64)
@@ -470,19 +479,11 @@ class KVCache:
         self._nshared[b] = 0
         self._seq[b] = 0
         self._enc[b] = 0
-        for l, spec in enumerate(self._specs):
-            if spec.kind is LayerKind.CROSS_ATTENTION:
-                self._kv[l][0][b] = 0
-                self._kv[l][1][b] = 0
-        self._zero_state(b)
+        self._engine.zero_rows(self._cross_planes + self._slabs, b)
         self._write_sets.pop(b)
 
     def _zero_state(self, b: int) -> None:
-        for l in self._conv:
-            for slab in self._conv[l]:
-                slab[b] = 0
-            if self._rec[l] is not None:
-                self._rec[l][b] = 0
+        self._engine.zero_rows(self._slabs, b)
 
     def reset(self) -> None:
         """Back to the state ``make`` produced, in place: buffers keep their identity.
@@ -801,17 +802,8 @@ class KVCache:
             self._restore_state(b, self._checkpoints[checkpoint])
         return len(hits) * P
 
-    def _state_slabs(self) -> list[np.ndarray]:
-        out = []
-        for l in sorted(self._conv):
-            out.extend(self._conv[l])
-            if self._rec[l] is not None:
-                out.append(self._rec[l])
-        return out
-
     def _restore_state(self, b: int, saved: list[np.ndarray]) -> None:
-        for slab, row in zip(self._state_slabs(), saved):
-            slab[b] = row
+        self._engine.restore_rows(self._slabs, b, saved)
 
     def retire(self, batch_idx: int, full_token_ids, addressable_len: int = -1) -> None:
         """Paged: publish a finished slot's full blocks for reuse, then free it like ``evict_batch``.
@@ -882,7 +874,7 @@ class KVCache:
         if self._has_state and ncp > 0 and n_pub and a == seq and a % P == 0:
             key = hashes[-1]
             if self._pool.contains_hash(key):
-                self._checkpoints[key] = [slab[b].copy() for slab in self._state_slabs()]
+                self._checkpoints[key] = self._engine.save_rows(self._slabs, b)
                 self._checkpoints.move_to_end(key)
                 while len(self._checkpoints) > ncp:
                     # spec/slot-cache.md §4.3: least recently used checkpoint dropped first.

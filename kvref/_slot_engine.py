@@ -260,6 +260,19 @@ class ReferenceSlotEngine:
     def to_host(self, x) -> np.ndarray:
         return np.asarray(x)
 
+    # ------------------------------------------------------------------ slot rows (state, cross planes)
+
+    def zero_rows(self, buffers, slot: int) -> None:
+        for buf in buffers:
+            buf[slot] = 0
+
+    def save_rows(self, buffers, slot: int) -> list:
+        return [buf[slot].copy() for buf in buffers]
+
+    def restore_rows(self, buffers, slot: int, saved) -> None:
+        for buf, row in zip(buffers, saved):
+            buf[slot] = row
+
 
 def softmax_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
     """float32 attention of q [Tq, Hq, D] over k, v [Tk, Hk, D] with bool mask [Tq, Tk] (GQA by repeat)."""

@@ -177,3 +177,14 @@ class SlotEngine(Protocol):
 
     def to_host(self, x: Any) -> np.ndarray:
         """A NumPy copy (or the array itself on the CPU)."""
+
+    # ------------------------------------------------------------------ slot rows (state slabs, cross planes)
+
+    def zero_rows(self, buffers: list, slot: int) -> None:
+        """``buf[slot] = 0`` for every buffer ``[max_seqs, ...]`` (evict, retire, admit miss)."""
+
+    def save_rows(self, buffers: list, slot: int) -> list:
+        """Copies of row ``slot`` of every buffer, in order: a state checkpoint (``spec/slot-cache.md`` §4.3)."""
+
+    def restore_rows(self, buffers: list, slot: int, saved: list) -> None:
+        """``buf[slot] = saved[i]`` for the i-th buffer: a checkpoint restored by ``admit``."""
