@@ -558,6 +558,15 @@ class PagedKVCacheManager:
             Not enough free or evictable pages: nothing is drawn, the splice
             is rolled back; ctx, counts and metrics are as before.
         """
+        req = self._requests.get(ctx.request_id) if type(ctx) is TextContext else None
+        if (req is not None and req.ctx is ctx and defer_lookup is False and req.load is None
+                and not req.ext_point and not req.dummy and not self._closed and len(ctx) <= self._max_seq_len
+                and req.rows[self._anchor.leaf_id]):
+            # spec §4 for a request past its admission (it holds pages, no load, no external
+            # stage due): the drain (step 2), the sizing (step 6) and the count (step 9) only.
+            if self._loads or self._offloads:
+                self._drain()
+            return self._grow(req, ctx)
         op = "alloc"
         self._check_open(op)
         # spec/manager.md §4.1: every argument is checked before the stored context may be replaced.
@@ -576,6 +585,42 @@ class PagedKVCacheManager:
             ) from req.load.error
         plan = self._plan_alloc(req, ctx, defer_lookup)  # spec §4: every check; nothing changes
         return self._commit_alloc(req, ctx, plan)  # nothing below can fail
+
+    def _grow(self, req: _Request, ctx: TextContext) -> KVTransfer:
+        """spec §4.6 and §4.9 for a request that holds pages and has nothing in flight: size
+        every leaf, all or nothing, then count the forward's input tokens."""
+        pools, page = self._pools[req.replica], self._page
+        required = -(-ctx.current_position // page)
+        need = []
+        for leaf in self._leaves:
+            row = req.rows[leaf.leaf_id]
+            if leaf.is_recurrent:
+                n = (0 if row else 1) + (1 if self._caching and len(row) < 2 else 0)
+            else:
+                n = required - len(row)
+            if n > 0:
+                free = pools[leaf.leaf_id].num_free
+                if n > free:
+                    raise InsufficientBlocksError(
+                        f"alloc: request_id={ctx.request_id!r} needs {n} blocks of leaf {leaf.leaf_id!r}, "
+                        f"{free} free or evictable on replica {req.replica}"
+                    )
+                need.append((leaf, row, n))
+        for leaf, row, n in need:
+            pool = pools[leaf.leaf_id]
+            if n == 1:
+                row.append(pool.allocate_one())
+            else:
+                row.extend(pool.allocate(n))
+            if leaf.is_recurrent and len(row) == n:  # spec §4.7: a fresh live state starts at zero
+                self._run_copies(req, [("restore", leaf.leaf_id, NULL_BLOCK, row[0])])
+        m, active = self._metrics, ctx.active_length
+        if req.counted_gen == req.step_gen:  # Spec §4.9: input_tokens counts each forward once
+            m.input_tokens += active - req.counted_active
+        else:
+            m.input_tokens += active
+        req.counted_gen, req.counted_active = req.step_gen, active
+        return _DONE
 
     def _at_reuse_point(self, req: _Request, ctx: TextContext) -> bool:
         # Spec §3.3: reuse only while the request holds no pages and nothing is processed.
