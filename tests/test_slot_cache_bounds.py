@@ -248,3 +248,29 @@ def test_layer_spec_integer_extremes(name, a, b):
     sizes = [spec.kv_heads, spec.head_dim, spec.window, spec.max_enc_len, spec.conv_width, *spec.conv_dims,
              *(spec.recurrent or ())]
     assert all(0 <= s <= INT32_MAX for s in sizes)
+
+
+@settings(max_examples=40)
+@given(a=ints, b=ints, c=ints)
+def test_largest_max_seq_len_same_outcome_in_both_packages(a, b, c):
+    """max_seq_len = 2**31 - 1 (the bound): positions, lengths and sums stay exact in both packages.
+
+    A contiguous cache with only a state layer holds no K/V, so the largest length is cheap.
+    """
+    L = INT32_MAX
+    cfg = KVCacheConfig(1, 3, L, CONTIG)
+    outcomes = []
+    for pkg in (kvref, kvfast):
+        cache = pkg.KVCache.make(cfg, [KVLayerSpec.state((1,), 1)])
+        cache.update_position(1, L - 1)
+        got = [_outcome(lambda: cache.update_position(0, a))]
+        seq = cache.seq_lens()
+        got.append(_outcome(lambda: cache.prepare_step([0, b, c], [int(seq[0]), int(seq[1])], [0, 1])))
+        got.append(_outcome(lambda: cache.prepare_step([0, b], [int(seq[1])], [1])))
+        got.append(cache.seq_lens().tolist())
+        cache.check_invariants()
+        outcomes.append(got)
+    assert outcomes[0] == outcomes[1], (a, b, c)
+    for step in outcomes[0][1:3]:
+        if step[0] == "ok":
+            assert all(0 <= p < L for p in step[2]), "positions wrapped"
