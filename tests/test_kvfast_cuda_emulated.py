@@ -512,3 +512,14 @@ def test_cross_replica_copies_and_state_zeroing_use_the_kernels(emulated, monkey
         assert calls["state_zero_rows"] > 0
     else:
         assert calls["copy_blocks"] > 0
+
+
+def test_emulated_launches_in_shuffled_thread_order(emulated, monkeypatch):
+    """KVFAST_CUDA_EMULATE_SHUFFLE: every RawKernel launch runs its (block, thread) pairs shuffled;
+    the CUDA paths give the same bytes (no kernel depends on thread order)."""
+    monkeypatch.setenv("KVFAST_CUDA_EMULATE_SHUFFLE", "12345")
+    test_ops_on_cuda_match_kvref(emulated, "bfloat16", KVCacheMode.PAGED, "float32")
+    test_cuda_page_store(emulated)
+    monkeypatch.setenv("KVFAST_CUDA_EMULATE_SHUFFLE", "x")
+    with pytest.raises(ValueError, match="KVFAST_CUDA_EMULATE_SHUFFLE='x'"):
+        test_cuda_page_store(emulated)
