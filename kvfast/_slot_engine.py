@@ -85,6 +85,7 @@ class ArrayWriteSets:
     def record(self, slot_ids: np.ndarray, step: StepIndices, block_size: int) -> None:
         sid = self._next
         self._next += 1
+        slot_ids = slot_ids.copy()  # may be the caller's own int64 array, which it is free to reuse
         self._steps[sid] = (slot_ids, step.slot_mapping, step.batch_indices, block_size)
         self._step_of[slot_ids] = sid
         if len(self._steps) > 32:
@@ -102,7 +103,7 @@ class ArrayWriteSets:
         out = []
         for s in np.flatnonzero(self._step_of >= 0).tolist():
             slots, sm, bi, bs = self._steps[int(self._step_of[s])]
-            row = int(np.flatnonzero(np.asarray(slots) == s)[0])
+            row = int(np.flatnonzero(slots == s)[0])
             blocks = self._to_host(sm) // bs
             out.append((s, frozenset(int(x) for x in blocks[self._to_host(bi) == row])))
         return out
