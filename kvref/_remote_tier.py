@@ -390,6 +390,7 @@ class RemoteTier:
         self._geometry: dict[str, Any] | None = None
         self._geometry_digest = b""
         self._key_prefix = ""
+        self._plan = False
         self._page_size = 0
         self._page_bytes = 0
 
@@ -485,8 +486,14 @@ class RemoteTier:
         hash_algo: str | None = None,
         *,
         leaf_id: str = DEFAULT_LEAF_ID,
+        holds_bytes: bool = True,
     ) -> None:
         """Fix the block geometry and hash algorithm of every key and value.
+
+        With ``holds_bytes=False`` (bookkeeping-only mode, spec/remote-tier.md
+        §8) the tier stores header-only values under a separate ``plan`` key
+        space: lookups, hits and counts are shared between processes, no K/V
+        byte is stored, and ``get_many`` returns empty payloads.
 
         Parameters
         ----------
@@ -499,6 +506,8 @@ class RemoteTier:
             for a mapping.
         leaf_id : str
             The leaf whose pages are stored (enters the digest).
+        holds_bytes : bool
+            False: bookkeeping-only (header-only values, ``plan`` keys).
 
         Raises
         ------
@@ -514,20 +523,25 @@ class RemoteTier:
             hash_algo = geometry.hash_algo
         if hash_algo not in HASH_ALGOS:
             raise ValueError(f"{o}: hash_algo={hash_algo!r}, must be one of {sorted(HASH_ALGOS)}")
+        if not isinstance(holds_bytes, bool):
+            raise TypeError(f"{o}: holds_bytes={holds_bytes!r}, must be a bool")
         digest = geometry_digest(geometry, leaf_id)
         fields = _geometry_fields(geometry, leaf_id)
         self._check_open(o)
         if self._hash_algo is not None:
-            if (hash_algo, digest) != (self._hash_algo, self._geometry_digest):
+            if (hash_algo, digest, holds_bytes) != (self._hash_algo, self._geometry_digest, not self._plan):
                 raise RuntimeError(
-                    f"{o}: already bound to hash_algo={self._hash_algo!r} geometry={self._geometry}, "
-                    f"got hash_algo={hash_algo!r} geometry={fields}"
+                    f"{o}: already bound to hash_algo={self._hash_algo!r} geometry={self._geometry} "
+                    f"holds_bytes={not self._plan}, got hash_algo={hash_algo!r} geometry={fields} "
+                    f"holds_bytes={holds_bytes}"
                 )
             return
         page_bytes = 2 * math.prod(fields[f] for f in _GEOMETRY_FIELDS) * KV_DTYPES[fields["dtype"]].itemsize
         # Spec remote-tier §1: the key carries namespace, algorithm and geometry,
         # so two models or geometries never collide.
-        self._key_prefix = f"{self._namespace}:{hash_algo}:{digest.hex()}:"
+        # spec/remote-tier.md §8: bookkeeping entries live apart, never read as K/V.
+        self._key_prefix = f"{self._namespace}:{hash_algo}:{digest.hex()}:" + ("" if holds_bytes else "plan:")
+        self._plan = not holds_bytes
         self._geometry = fields
         self._geometry_digest = digest
         self._digest_size = HASH_ALGOS[hash_algo]
@@ -653,7 +667,7 @@ class RemoteTier:
                     self._metrics.loads_refused += 1
                     self._metrics.auth_failures += int(auth)
                 raise KVLoadRefused(f"{o}: hashes[{i}]={h.hex()[:16]}… {problem}", block_hash=h)
-            payloads.append(value[len(value) - self._page_bytes :])
+            payloads.append(b"" if self._plan else value[len(value) - self._page_bytes :])
         with self._lock:
             self._metrics.blocks_read += len(values)
             self._metrics.bytes_read += sum(len(v) for v in values)
@@ -696,6 +710,9 @@ class RemoteTier:
             raise ValueError(f"{o}: len(payloads)={len(payloads)} but len(hashes)={len(hashes)}")
         data = []
         for i, p in enumerate(payloads):
+            if self._plan:
+                data.append(b"")  # spec/remote-tier.md §8: bookkeeping-only stores no K/V byte
+                continue
             b = _payload_bytes(o, i, p)
             if len(b) != self._page_bytes:
                 raise ValueError(f"{o}: payloads[{i}] has {len(b)} bytes, must be page_bytes={self._page_bytes}")
@@ -803,7 +820,7 @@ class RemoteTier:
         head = (
             _FIXED.pack(
                 MAGIC, version, _ALGO_IDS[self._hash_algo], self._digest_size,
-                self._geometry_digest, self._page_size, len(payload),
+                self._geometry_digest, self._page_size, self._page_bytes,
             )
             + block_hash
             + self._token_field(kb, tokens)
@@ -837,8 +854,9 @@ class RemoteTier:
         kb = key.encode()
         if self._secret is not None:
             # spec/remote-tier.md §2: the tag is checked before any other field is believed.
-            if len(value) != header + self._page_bytes:
-                return f"value length={len(value)} but expected {header + self._page_bytes} (truncated or padded)", True
+            want_len = header + (0 if self._plan else self._page_bytes)
+            if len(value) != want_len:
+                return f"value length={len(value)} but expected {want_len} (truncated or padded)", True
             at = header - _TAG_SIZE
             want = self._tag(kb, value[:at], memoryview(value)[header:])
             if not hmac.compare_digest(value[at:header], want):
@@ -851,8 +869,9 @@ class RemoteTier:
             return f"tokens per block={page_size} but expected {self._page_size}", False
         if length != self._page_bytes:
             return f"payload length={length} but expected page_bytes={self._page_bytes}", False
-        if len(value) != header + length:
-            return f"value length={len(value)} but header says {header + length} (truncated or padded)", False
+        stored = 0 if self._plan else length
+        if len(value) != header + stored:
+            return f"value length={len(value)} but header says {header + stored} (truncated or padded)", False
         at = _FIXED.size
         if value[at : at + dsize] != block_hash:
             return f"stored block hash={value[at : at + dsize].hex()[:16]}… differs", False

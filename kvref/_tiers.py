@@ -385,11 +385,8 @@ class TieredConnector:
                                  f"dtype={arena.dtype}, must be ({slots}, {page_bytes}) uint8")
         host = HostTier(slots, page_bytes, arena)
         if self._remote is not None:
-            if not holds_bytes:
-                # spec/tiers.md §11: a shared store holds other processes' bytes; nothing to plan there.
-                raise ValueError(f"{o}: remote_url with bookkeeping-only stores (holds_bytes=False); "
-                                 "the remote tier stores bytes: plan without remote_url")
-            self._remote.bind(params)
+            # spec/tiers.md §11: bookkeeping-only shares header-only entries under "plan" keys.
+            self._remote.bind(params, holds_bytes=holds_bytes)
         with self._lock:
             self._params, self._geometry, self._page_bytes = params, geometry, page_bytes
             self._holds_bytes = holds_bytes
@@ -839,8 +836,9 @@ class TieredConnector:
                     if holds:
                         store.write([bid], host.arena[e.slot : e.slot + 1])
                 elif tier == "remote":
-                    data = np.frombuffer(fetched[i], dtype=np.uint8)
-                    store.write([bid], data[None])
+                    if holds:
+                        data = np.frombuffer(fetched[i], dtype=np.uint8)
+                        store.write([bid], data[None])
                     promote.append((h, t, data))
                 else:
                     nread = disk.file_bytes

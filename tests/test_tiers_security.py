@@ -362,3 +362,34 @@ def test_unused_port_url_is_a_miss_not_an_error():
     assert t.lookup(chain(1)[0]) == 0 and "pw-never-shown" not in (t.last_error or "")
     assert re.match(r"redis://127\.0\.0\.1:\d+/0", t._redacted_url())
     t.close()
+
+
+def test_bookkeeping_only_remote_shares_hits_stores_no_kv(server):
+    """spec/remote-tier.md §8: planning processes share lookups through header-only values."""
+    from kvspec import BookkeepingPageStore
+
+    params = KVCacheParams(page_size=PS, num_layers=2, kv_heads=2, head_dim=8, allocate_buffers=False)
+    hs, rows = chain(3, seed=9)
+
+    def conn(secret=None):
+        c = TieredConnector(host_bytes=0, remote_url=server.url, remote_timeout_s=2.0, remote_secret=secret)
+        c.attach([BookkeepingPageStore(8, params.page_bytes())], params)
+        return c
+
+    a = conn()
+    a.offload([1, 2, 3], hs, rows)
+    b = conn()
+    assert b.lookup(hs, rows) == 3
+    b.load([4, 5, 6], hs, rows).synchronize()
+    assert b.metrics.h2d_bytes_copied == 3 * params.page_bytes()
+    with server.raw() as raw:
+        keys = sorted(k.decode() for k in raw.keys("*"))
+        assert len(keys) == 3 and all(":plan:" in k for k in keys)
+        assert all(len(raw.get(k)) < params.page_bytes() for k in keys)  # headers only
+    # a real-bytes reader never sees planning entries
+    real = RemoteTier(server.url, timeout_s=2.0)
+    real.bind(KVCacheParams(page_size=PS, num_layers=2, kv_heads=2, head_dim=8))
+    assert real.lookup(hs) == 0
+    for c in (a, b):
+        c.shutdown()
+    real.close()
