@@ -13,10 +13,10 @@ from kvcache.cli import main
 
 def _replay(url, out, extra=()):
     cmd = [sys.executable, "-m", "kvcache.cli", "replay", "--num-requests", "20", "--no-progress",
-           "--host-bytes", "1Mi", "--remote", url, "--json", str(out), *extra]
+           "--host-bytes", "1Mi", "--remote", url, "--json", str(out), "--real-bytes", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    return json.loads(out.read_text())
+    return json.loads(out.read_text())["runs"][0]  # real bytes: what one process offloads, the next loads
 
 
 def test_second_process_hits_what_the_first_offloaded(redis_server, tmp_path):
