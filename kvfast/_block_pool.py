@@ -418,6 +418,12 @@ class BlockPool:
         n = len(blocks)
         if n == 0:
             return []
+        if n == 1:  # a decode step's block: no batch machinery
+            b = blocks[0]
+            if self.block_hash[b] is not None:
+                return [b]
+            c = self._publish(b, hashes[0], _rows(data, 1)[0].astype(np.int32, copy=False))
+            return [] if c == b and self.block_hash[b] is None else [c]
         toks = _rows(data, n)
         w = toks.shape[1]
         bh, idx = self.block_hash, self.hash_to_block

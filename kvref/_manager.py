@@ -249,6 +249,7 @@ class PagedKVCacheManager:
         self._anchor = next((leaf for leaf in self._paged_leaves if leaf.kind is LeafKind.FULL), self._paged_leaves[0])
         self._commit_order = [self._anchor] + [leaf for leaf in self._paged_leaves if leaf is not self._anchor]
         self._sliding_leaves = [leaf for leaf in leaves if leaf.is_sliding]
+        self._paged_ids = [leaf.leaf_id for leaf in self._paged_leaves]
         self._recurrent_leaves = [leaf for leaf in leaves if leaf.is_recurrent]
 
         self._engine = engine
@@ -1048,12 +1049,15 @@ class PagedKVCacheManager:
             Bad or unclaimed ctx; ``processed_length`` beyond the allocated
             rows. State is unchanged.
         """
-        op = "step"
-        self._check_open(op)
-        req = self._req(op, ctx)
+        req = self._requests.get(ctx.request_id) if type(ctx) is TextContext else None
+        if req is None or req.ctx is not ctx or self._closed:
+            op = "step"
+            self._check_open(op)
+            req = self._req(op, ctx)  # raises, or adopts a replacement context (spec §2.3)
         if req.dummy:
             return
-        cap = min(len(req.rows[leaf.leaf_id]) for leaf in self._paged_leaves) * self._page
+        rows = req.rows
+        cap = min([len(rows[lid]) for lid in self._paged_ids]) * self._page
         if ctx.processed_length > cap:
             raise ValueError(
                 f"step: processed_length={ctx.processed_length} > {cap} tokens in the allocated rows; "
@@ -1063,7 +1067,8 @@ class PagedKVCacheManager:
         if errors:
             raise errors[0]
         req.step_gen += 1
-        req.ext_point, req.lookup, req.lookup_pending = False, None, False
+        if req.ext_point or req.lookup is not None or req.lookup_pending:
+            req.ext_point, req.lookup, req.lookup_pending = False, None, False
         if req.load is not None:
             if req.load.state == "failed":
                 req.ran_past = True  # Spec §9.6: the forward read pages that never landed
