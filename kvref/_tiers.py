@@ -135,6 +135,9 @@ class TierStats:
     stale_writes_dropped : int
         Writes (offloads, promotions, write-back evictions) dropped because a
         ``reset_prefix_cache`` happened after they were posted.
+    unlink_failures : int
+        Block paths the disk tier could not delete (evicted, reset, refused);
+        such a file is never served (older generation, or refused again).
     """
 
     host_blocks: int = 0
@@ -147,6 +150,7 @@ class TierStats:
     disk_write_errors: int = 0
     reset_failures: int = 0
     stale_writes_dropped: int = 0
+    unlink_failures: int = 0
 
 
 # --------------------------------------------------------------------------- connector
@@ -252,6 +256,7 @@ class TieredConnector:
         self._owner_ref = None
         self._owner_name: str | None = None
         self._holds_bytes = True
+        self._unlink_failures = 0  # of disk tiers closed by shutdown
         self._page_bytes = 0
         self._host: HostTier | None = None
         self._disk: DiskTier | None = None
@@ -708,6 +713,8 @@ class TieredConnector:
             self._executor = None
             self._stores, self._sources, self._owner_ref = [], [], None
             self._host = None
+            if self._disk is not None:
+                self._unlink_failures += self._disk.undeletable
             self._disk = None
 
     def host_byte_count(self) -> ByteCount:
@@ -758,6 +765,7 @@ class TieredConnector:
             return TierStats(
                 host_blocks=len(self._host.ready_hashes()) if self._host is not None else 0,
                 disk_blocks=len(self._disk.ready_hashes()) if self._disk is not None else 0,
+                unlink_failures=self._unlink_failures + (self._disk.undeletable if self._disk is not None else 0),
                 **self._stats,
             )
 

@@ -178,6 +178,7 @@ def test_reset_with_failing_unlinks_is_still_never_served(tmp_path, monkeypatch)
     conn.reset_prefix_cache()
     assert conn.lookup(hs, toks) == 0
     assert all(block_path(tmp_path / "kv", h).exists() for h in hs)
+    assert conn.tier_stats().unlink_failures == 3  # counted
     conn.shutdown()
     monkeypatch.undo()
     fresh, _ = disk_conn(tmp_path / "kv", params)
