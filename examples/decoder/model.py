@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
+import ml_dtypes
 import numpy as np
 
 __all__ = [
@@ -344,13 +345,27 @@ class PagedTableAttention:
         return self._attend(lambda pg, off: kv[pg, :, layer, off].astype(np.float32), layer, lut, q)
 
     def _on_device(self, kv, layer, lut, pages, q, k, v):
-        """The same through a device buffer: scatter with device index arrays, gather each row to the host."""
+        """The same through a device buffer: scatter with device index arrays, gather each row to the host.
+
+        CuPy has no bfloat16: a bfloat16 manager's device pages are ``uint16`` words holding
+        the bfloat16 bits, so values are converted on the way in (round to nearest even) and out.
+        """
         import cupy
 
-        kv[cupy.asarray(pages), 0, layer, cupy.asarray(self.positions % self.page)] = cupy.asarray(k)
-        kv[cupy.asarray(pages), 1, layer, cupy.asarray(self.positions % self.page)] = cupy.asarray(v)
-        return self._attend(lambda pg, off: to_host(kv[cupy.asarray(pg), :, layer, cupy.asarray(off)])
-                            .astype(np.float32), layer, lut, q)
+        bits = kv.dtype == np.uint16
+
+        def put(x):
+            x = np.asarray(x, dtype=np.float32)
+            return cupy.asarray(x.astype(ml_dtypes.bfloat16).view(np.uint16) if bits else x)
+
+        def get(pg, off):
+            h = to_host(kv[cupy.asarray(pg), :, layer, cupy.asarray(off)])
+            return (h.view(ml_dtypes.bfloat16) if bits else h).astype(np.float32)
+
+        offsets = cupy.asarray(self.positions % self.page)
+        kv[cupy.asarray(pages), 0, layer, offsets] = put(k)
+        kv[cupy.asarray(pages), 1, layer, offsets] = put(v)
+        return self._attend(get, layer, lut, q)
 
     def _attend(self, rows_of, layer, lut, q):
         """Attention of every row; ``rows_of(pages, offsets) -> float32 [n, 2, Hkv, D]`` reads K/V slots."""
