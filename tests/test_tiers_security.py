@@ -130,12 +130,15 @@ def test_with_a_secret_a_forgery_is_never_loaded(server):
 
 @FUZZ
 @given(data=st.data())
-def test_hostile_values_are_refused_with_a_secret(server, data):
-    """Any edit of an authenticated value: a flipped bit anywhere, truncation,
-    extension, a payload swapped in from another block, a value replayed under
-    another block's key, another namespace's or another model's."""
+def test_hostile_values_are_refused(server, data):
+    """Any edit of a stored value, with or without a secret: a flipped bit
+    anywhere, truncation, extension, a payload swapped in from another block,
+    a value replayed under another block's key, another namespace's or another
+    model's. (A deliberate forgery without a secret is the documented hole:
+    test_without_a_secret_anyone_who_can_write_can_poison.)"""
     server.flush()  # every example starts from an empty store (SET NX keeps old values)
-    t = tier(server.url, secret=SECRET)
+    secret = data.draw(st.sampled_from([None, SECRET]), label="secret")
+    t = tier(server.url, secret=secret)
     hs, rows = chain(2, seed=4)
     assert t.put_many(hs, rows, [payload_for(h) for h in hs]) == 2
     with server.raw() as raw:
@@ -156,10 +159,10 @@ def test_hostile_values_are_refused_with_a_secret(server, data):
     elif kind == "replay_other_block":
         value = v1
     elif kind == "other_namespace":
-        target_tier = tier(server.url, secret=SECRET, namespace="tenant-b")
+        target_tier = tier(server.url, secret=secret, namespace="tenant-b")
         value = v0
     else:
-        target_tier = tier(server.url, {**GEO, "model_id": "finetune"}, secret=SECRET)
+        target_tier = tier(server.url, {**GEO, "model_id": "finetune"}, secret=secret)
         value = v0
     with server.raw() as raw:
         raw.set(target_tier.key_for(target_hash), value)
