@@ -76,7 +76,7 @@ MAX_RECONNECT_INTERVAL_S = 86400.0
 MIN_SECRET_BYTES = 16
 _TAG_SIZE = 32
 _TOKEN_DIGEST_SIZE = 32
-# Spec remote-tier §2: one byte per hash algorithm in the value header.
+# spec/remote-tier.md §2: one byte per hash algorithm in the value header.
 _ALGO_IDS = {"sha256": 1, "xxh3_128": 2}
 # magic, version, algorithm id, digest size, geometry digest, tokens per block, payload length
 _FIXED = struct.Struct("<4sHBB8sIQ")
@@ -537,7 +537,7 @@ class RemoteTier:
                 )
             return
         page_bytes = 2 * math.prod(fields[f] for f in _GEOMETRY_FIELDS) * KV_DTYPES[fields["dtype"]].itemsize
-        # Spec remote-tier §1: the key carries namespace, algorithm and geometry,
+        # spec/remote-tier.md §1: the key carries namespace, algorithm and geometry,
         # so two models or geometries never collide.
         # spec/remote-tier.md §8: bookkeeping entries live apart, never read as K/V.
         self._key_prefix = f"{self._namespace}:{hash_algo}:{digest.hex()}:" + ("" if holds_bytes else "plan:")
@@ -596,7 +596,7 @@ class RemoteTier:
         found = self._io(run)
         hit = 0
         if found is not _DOWN:
-            # Spec remote-tier §3: leading run only, a gap ends the hit.
+            # spec/remote-tier.md §3: leading run only, a gap ends the hit.
             for present in found:
                 if not present:
                     break
@@ -726,14 +726,14 @@ class RemoteTier:
         def run(client):
             pipe = client.pipeline(transaction=False)
             for k, v in zip(keys, values):
-                # Spec remote-tier §3: SET NX — the first writer wins, a value is never overwritten.
+                # spec/remote-tier.md §3: SET NX — the first writer wins, a value is never overwritten.
                 pipe.set(k, v, nx=True, px=ttl_ms)
             return pipe.execute()
 
         stored = self._io(run)
         with self._lock:
             if stored is _DOWN:
-                # Spec remote-tier §4: a failing store drops offloads, counted, never raised.
+                # spec/remote-tier.md §4: a failing store drops offloads, counted, never raised.
                 self._metrics.offloads_dropped += len(keys)
                 return 0
             written = [bool(s) for s in stored]
@@ -935,7 +935,7 @@ class RemoteTier:
         from redis.retry import Retry
 
         t = self._target
-        # Spec remote-tier §4: no client-side retries, every socket operation bounded by timeout_s.
+        # spec/remote-tier.md §4: no client-side retries, every socket operation bounded by timeout_s.
         common = dict(
             username=t["username"],
             password=t["password"],

@@ -231,7 +231,7 @@ class TieredConnector:
         num_workers = check_int(o, "num_workers", num_workers, low=1, high=MAX_WORKERS)
         remote = None
         if remote_url is not None:
-            # Spec remote-tier §7: validated here (no I/O); bound to the geometry at attach.
+            # spec/remote-tier.md §7: validated here (no I/O); bound to the geometry at attach.
             remote = RemoteTier(remote_url, namespace=remote_namespace, ttl_s=remote_ttl_s,
                                 timeout_s=remote_timeout_s, reconnect_interval_s=remote_reconnect_interval_s,
                                 secret=remote_secret)
@@ -498,7 +498,7 @@ class TieredConnector:
                     break
                 n += 1
         if self._remote is not None and n < len(hs):
-            # Spec remote-tier §7: the run continues in Redis (one round trip, outside the lock).
+            # spec/remote-tier.md §7: the run continues in Redis (one round trip, outside the lock).
             n += self._remote.lookup(hs[n:])
         return n
 
@@ -555,12 +555,12 @@ class TieredConnector:
                     continue
                 d = self._disk.get(h, t) if self._disk is not None else None
                 if d is None and self._remote is not None:
-                    # Spec remote-tier §7: fetched and verified by the worker; a refusal there
+                    # spec/remote-tier.md §7: fetched and verified by the worker; a refusal there
                     # fails the handle (KVLoadFailed), the pages are never published.
                     plan.append(("remote", None))
                     continue
                 if d is None:
-                    # Spec tiers §5: all or refuse; the refusal is counted, nothing else changes.
+                    # spec/tiers.md §5: all or refuse; the refusal is counted, nothing else changes.
                     self._metrics.connector_loads_refused += 1
                     raise KVLoadRefused(
                         f"{o}: hashes[{i}]={h.hex()[:16]} is held by no tier (evicted since lookup?)",
@@ -634,12 +634,12 @@ class TieredConnector:
         self._check_replica(o, replica_idx)
         hs = self._check_hashes(o, hashes)
         with self._lock:
-            # Spec tiers §3: iterate tail first so the head ends up most recent.
+            # spec/tiers.md §3: iterate tail first so the head ends up most recent.
             self._host.touch(reversed(hs))
             if self._disk is not None:
                 self._disk.touch(reversed(hs))
             if self._remote is not None and self._remote.ttl_s is not None and self._executor is not None:
-                # Spec remote-tier §7: refresh the TTL on a worker; no network on the caller's thread.
+                # spec/remote-tier.md §7: refresh the TTL on a worker; no network on the caller's thread.
                 self._background.append(self._executor.submit(self._remote.touch, hs))
 
     def poll_transfers(self) -> None:
@@ -919,7 +919,7 @@ class TieredConnector:
                         disk_e = disk.reserve(h, t)
                         disk_ok = disk_e is not None
                 host_missing = host.num_slots > 0 and not host_ok and not (write_back and to_disk)
-                # Spec remote-tier §7: with a remote tier, a block no local tier was meant to
+                # spec/remote-tier.md §7: with a remote tier, a block no local tier was meant to
                 # take is the remote's to store (put_many counts its own drops).
                 stored_nowhere = not (host_ok or (to_disk and disk_ok)) and self._remote is None
                 dropped = host_missing or not disk_ok or stored_nowhere
@@ -938,7 +938,7 @@ class TieredConnector:
                     self._metrics.connector_offload_blocks_dropped += 1
             self._write_evicted(evicted, epoch)
         if self._remote is not None:
-            # Spec remote-tier §7: SET NX of the pinned source pages, one round trip; a failing
+            # spec/remote-tier.md §7: SET NX of the pinned source pages, one round trip; a failing
             # store drops them (counted by the remote tier), never raises.
             self._remote.put_many(hs, toks, list(srcs))
         with self._lock:
