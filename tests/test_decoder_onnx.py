@@ -378,3 +378,15 @@ def test_committing_rejected_drafts_is_refused_by_the_cache():
     cache.prepare_step, cache.update_position = prepare_step, update_position
     with pytest.raises(ValueError, match=r"prepare_step: past_len\[\d+\]=\d+ but seq_lens\(\)\[slot \d+\]=\d+"):
         server.serve(chat_workload(model.config.vocab_size))
+
+
+def test_tied_embeddings_and_another_seed_serve_what_onnx_runtime_generates():
+    """The output projection tied to the embedding (the graph's lm_head initializer is the embedding's
+    transpose), other random weights, a smaller chunk: still token for token."""
+    model = Decoder(DecoderConfig(tie_embeddings=True, seed=7, windows=SLIDING))
+    assert np.array_equal(model.weights.lm_head, model.weights.embed.T)
+    requests = chat_workload(model.config.vocab_size, seed=3)
+    reference = reference_run(OrtDecoder(model.config, model.weights), requests)
+    result = SlotCacheServer(kvfast, model, num_blocks=20, chunk_size=5).serve(requests)
+    assert compare(result, reference, atol=1e-4) <= 1e-4
+    assert result.stats.chunked_prefill_steps > 0 and result.stats.admissions_with_hit > 0
