@@ -132,9 +132,9 @@ def _assign(view, index, values):
     if isinstance(view, np.ndarray):
         view[index] = values
     else:  # pragma: no cover - GPU arrays
-        import cupy
+        from ._compare import to_device
 
-        view[index] = cupy.asarray(values)
+        view[index] = to_device(values)
 
 
 def _cache_op(cache, ops, op: str, a: dict, ctx: dict):
