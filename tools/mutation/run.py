@@ -45,15 +45,30 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: Modules mutated per target (paths relative to the repository root). The
-#: CUDA modules are left out: without a GPU the suite does not run them.
+#: Modules mutated per target: globs relative to the repository root, resolved
+#: against the copied tree (so the job follows code as it moves between files).
+#: The CUDA modules (``kvfast/_cuda``) are left out: without a GPU the suite
+#: does not run them; neither are the backend factories or the tiers.
 TARGETS = {
-    "kvfast": [
-        "kvfast/_block_pool.py", "kvfast/_manager.py", "kvfast/_slot_cache.py", "kvfast/ops.py",
-        "kvfast/_numba/copy.py", "kvfast/_numba/freelist.py", "kvfast/_numba/sha.py", "kvfast/_numba/step.py",
-    ],
-    "kvref": ["kvref/_block_pool.py", "kvref/_slot_cache.py", "kvref/ops.py", "kvref/_manager.py"],
+    "kvfast": ["kvfast/*.py", "kvfast/_numba/*.py"],
+    "kvref": ["kvref/_block_pool.py", "kvref/_slot_cache.py", "kvref/_slot_engine.py", "kvref/ops.py",
+              "kvref/_manager.py", "kvref/_leaves.py"],
 }
+
+#: Never mutated: package entry points, the conformance factory, torch/DLPack interop.
+_NOT_MUTATED = {"__init__.py", "_backend.py", "interop.py", "_tiers.py"}
+
+
+def resolve_modules(workdir: Path, patterns: list[str]) -> list[str]:
+    """The repository-relative module paths ``patterns`` match in the copy."""
+    out: list[str] = []
+    for pat in patterns:
+        for path in sorted(workdir.glob(pat)):
+            rel = path.relative_to(workdir).as_posix()
+            if path.name not in _NOT_MUTATED and rel not in out:
+                out.append(rel)
+    return out
+
 
 _COPY = ("kvfast", "kvref", "kvcache", "spec", "tools")
 
@@ -142,14 +157,18 @@ def skip_no_cover(db_path: Path, workdir: Path) -> int:
     return n
 
 
-def restrict_to(db_path: Path, other: Path) -> int:
+def restrict_to(db_path: Path, other: Path, survivors_only: bool = False) -> int:
     """Skip every pending mutant that did not run in the session ``other`` (a
     before/after comparison over exactly the same mutants). Returns how many remain."""
     from cosmic_ray.work_db import WorkDB, use_db
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
+    from cosmic_ray.work_item import TestOutcome
+
     with use_db(str(other), WorkDB.Mode.open) as db:
-        ran = {_key(item) for item, result in db.completed_work_items if result.worker_outcome != WorkerOutcome.SKIPPED}
+        ran = {_key(item) for item, result in db.completed_work_items
+               if result.worker_outcome != WorkerOutcome.SKIPPED
+               and not (survivors_only and result.test_outcome == TestOutcome.KILLED)}
     left = 0
     with use_db(str(db_path), WorkDB.Mode.open) as db:
         for item in list(db.pending_work_items):
@@ -247,6 +266,8 @@ def main(argv=None) -> int:
                     help="take the suite (spec/) from this revision or 'worktree' (default: with the packages)")
     ap.add_argument("--only-from", type=Path, default=None,
                     help="run only the mutants that ran in this earlier session.sqlite (before/after comparisons)")
+    ap.add_argument("--only-survivors", action="store_true",
+                    help="with --only-from: only the mutants that survived there (re-judge them with a newer suite)")
     ap.add_argument("--kill-arg", action="append", default=[],
                     help="extra pytest argument of the kill command (repeatable), e.g. --deselect=<node id>")
     ap.add_argument("--all-lines", action="store_true",
@@ -265,6 +286,9 @@ def main(argv=None) -> int:
         copy_tree(workdir, None if args.worktree else args.rev)
         if args.suite:
             replace_suite(workdir, args.suite)
+        modules = resolve_modules(workdir, modules)
+        if not modules:
+            ap.error(f"no module matches {args.modules or TARGETS[args.target]} in {workdir}")
         cfg = write_config(workdir, modules, args.backend, args.timeout, args.kill_arg)
         subprocess.run(["cosmic-ray", "init", str(cfg), str(db)], cwd=workdir, env=env, check=True)
         total = sample_items(db, args.sample, args.seed)
@@ -274,7 +298,7 @@ def main(argv=None) -> int:
             print(f"mutation: {gpu} mutants on `pragma: no cover` (GPU-only) lines skipped", flush=True)
             running = None
         if args.only_from is not None:
-            running = restrict_to(db, args.only_from.resolve())
+            running = restrict_to(db, args.only_from.resolve(), args.only_survivors)
         if running is None:
             from cosmic_ray.work_db import WorkDB, use_db
 

@@ -193,7 +193,7 @@ def test_pool_first_and_last_rows(kv_backend, kv_oracle, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("layout", ["contiguous", "strided_v", "float32"])
+@pytest.mark.parametrize("layout", ["contiguous", "strided_v", "strided_k", "inner_strided", "float32"])
 def test_large_steps(kv_backend, kv_oracle, mode, layout):
     """Steps of 128 tokens and more (a kvfast option scatters those in parallel,
     ``KVFAST_PARALLEL_SCATTER=1``): one 140-token prefill over 140 one-row
@@ -212,6 +212,17 @@ def test_large_steps(kv_backend, kv_oracle, mode, layout):
     rows = [(s, 1) for s in range(130)]
     steps = _step(p, rows)
     k2, v2 = distinct_pair((130, 1, 4), "float16", 12)
+    storage = int(np.prod(to_numpy(p.sut.keys(0)).shape[:2]))
+    for i in (0, 129):  # one token past the storage in a large step: refused, nothing written
+        bad = []
+        for st in steps:
+            sm = np.array(to_numpy(st.slot_mapping), copy=True)
+            sm[i] = storage
+            bad.append(dataclasses.replace(st, slot_mapping=sm))
+        msg = p.raises(f"ops.append_kv(cache, 0, k, v, step with slot_mapping[{i}]={storage})",
+                       lambda c, o, bad=bad: o.append_kv(c, 0, *_layout(layout, k2, v2), bad[0 if c is p.ref else 1]),
+                       IndexError)
+        assert f"slot_mapping[{i}]={storage}" in msg, msg
     _append(p, steps, 0, *_layout(layout, k2, v2))
     _commit(p, rows)
     for s in (0, 1, 64, 129):
