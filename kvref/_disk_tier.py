@@ -377,7 +377,8 @@ class DiskTier(EntryIndex):
         file) is deleted and recreated with a new generation, so no block file
         written before is served; returns the number of such entries (0 or 1).
         """
-        if self.root.is_symlink() or (self.root.exists() and not self.root.is_dir()):
+        # disk_dir itself is the operator's (a link to a mounted volume is fine); what is inside is not trusted
+        if self.root.exists() and not self.root.is_dir():
             raise ValueError(f"{owner}: disk_dir={str(self.root)!r} exists and is not a directory")
         self.root.mkdir(parents=True, exist_ok=True)
         meta_path = self.root / METADATA_NAME

@@ -771,3 +771,19 @@ def test_a_real_arena_larger_than_physical_memory_is_refused_up_front():
         conn.attach([np.zeros((8,) + params.page_shape, params.np_dtype)], params)
     assert conn.host_byte_count() == kvref.ByteCount(0, 0)
     conn.shutdown()
+
+
+def test_disk_dir_itself_may_be_a_link_to_a_volume(tmp_path):
+    """The configured directory is trusted (a link to a mounted volume); only what is inside is not."""
+    params = make_params()
+    (tmp_path / "volume").mkdir()
+    (tmp_path / "kv").symlink_to(tmp_path / "volume")
+    conn, buf = disk_conn(tmp_path / "kv", params)
+    hs, toks = chain(1)
+    fill(buf, [1], 12)
+    conn.offload([1], hs, toks).synchronize()
+    conn.shutdown()
+    assert block_path(tmp_path / "volume", hs[0]).is_file()
+    fresh, _ = disk_conn(tmp_path / "kv", params)
+    assert fresh.lookup(hs, toks) == 1
+    fresh.shutdown()
