@@ -308,7 +308,7 @@ class RemoteTier:
         First key component; 1-64 characters of ``[A-Za-z0-9_.-/]`` (no
         ``{``/``}``, so keys spread over every cluster slot).
     ttl_s : float, optional
-        Expiry of each stored block in seconds (> 0), refreshed by ``touch``;
+        Expiry of each stored block in seconds, in ``[0.001, 2**32]``, refreshed by ``touch``;
         ``None`` keeps blocks until Redis evicts them (``maxmemory-policy
         allkeys-lru``).
     timeout_s : float
@@ -316,6 +316,13 @@ class RemoteTier:
     reconnect_interval_s : float
         After a transport error, no call talks to the store for this long
         (>= 0); the next call after it reconnects.
+    secret : bytes or str, optional
+        Key of the HMAC-SHA256 tag every value carries (spec/remote-tier.md
+        §2): bytes (at least 16), or the name of an environment variable
+        holding it. With it, a value without a valid tag is refused and
+        counted (``auth_failures``) and token ids are stored only as a keyed
+        digest. Without it, anyone who can write to the store can forge a
+        value. Never shown in any message or repr.
 
     Raises
     ------

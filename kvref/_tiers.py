@@ -162,7 +162,7 @@ class TieredConnector:
     Parameters
     ----------
     host_bytes : int
-        Size of the host arena (>= 0); it holds ``host_bytes // page_bytes``
+        Size of the host arena, in ``[0, 2**62]``; it holds ``host_bytes // page_bytes``
         page-sized slots once ``attach`` fixes the page size. On a GPU the
         arena is pinned host memory (``kvfast``); here it is a NumPy array.
     disk_bytes : int, optional
@@ -179,8 +179,11 @@ class TieredConnector:
     remote_url : str, optional
         ``redis://host:port/db`` or ``redis+cluster://host:port``: a shared
         ``RemoteTier`` under host and disk (spec/remote-tier.md §7).
-    remote_namespace, remote_ttl_s, remote_timeout_s, remote_reconnect_interval_s : optional
-        ``RemoteTier``'s ``namespace``, ``ttl_s``, ``timeout_s`` and ``reconnect_interval_s``.
+    remote_namespace, remote_ttl_s, remote_timeout_s, remote_reconnect_interval_s, remote_secret : optional
+        ``RemoteTier``'s ``namespace``, ``ttl_s``, ``timeout_s``,
+        ``reconnect_interval_s`` and ``secret`` (bytes, or the name of an
+        environment variable: every value authenticated with HMAC-SHA256;
+        without it anyone who can write to the Redis can poison the tier).
 
     Raises
     ------
