@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
@@ -41,11 +40,10 @@ from kvspec.engine import NULL_BLOCK, BlockPool, ManagerEngine
 
 from ._leaves import Leaf, Residency, joint_hit
 from ._manager_engine import ReferenceManagerEngine
+from ._request import _AllocPlan, _Load, _Offload, _Request
+from ._runtime_inputs import LUT_ALIGN, lut_columns
 
 __all__ = ["PagedKVCacheManager"]
-
-#: Lookup-table columns are rounded up to a multiple of this (Spec §8).
-LUT_ALIGN = 8
 
 #: Largest value of a size or length argument: block ids, positions and cache
 #: lengths are 32-bit in every tensor the manager hands out (spec/manager.md §1.1).
@@ -55,105 +53,9 @@ MAX_INT_ARG = 2**31 - 1
 ROOT_CACHE_SIZE = 64
 
 
-# --------------------------------------------------------------------------- records
-
-
-@dataclass
-class _Load:
-    """An onload in flight: pages pinned, published only when it lands."""
-
-    replica: int
-    request_id: str | None  # None once the request was released
-    start: int  # row index of the first loaded block
-    pages: list[int]
-    hashes: list[bytes]
-    tokens: np.ndarray  # int32 [n, page_size]
-    handle: Any
-    state: str = "pending"  # "pending" | "landed" | "failed"
-    error: BaseException | None = None
-
-
-@dataclass
-class _Offload:
-    """An offload in flight: its source pages are pinned until it completes."""
-
-    replica: int
-    pages: list[int]
-    handle: Any
-
-
-@dataclass
-class _Request:
-    """Per-request state of a claimed context."""
-
-    ctx: TextContext
-    replica: int
-    rows: dict[str, list[int]]
-    dummy: bool = False
-    hashes: list[bytes] = field(default_factory=list)
-    committed: int = 0  # leading row blocks published (or loading)
-    nulled: dict[str, int] = field(default_factory=dict)  # sliding: leading null slots
-    restore: dict[str, int] = field(default_factory=dict)  # recurrent: checkpoint page to resume from
-    ext_point: bool = False  # the external stage may still run for this admission
-    lookup: tuple[int, int] | None = None  # (first block, blocks held) from start_lookup
-    lookup_pending: bool = False  # a deferred alloc left the external stage to do
-    skip_connector: bool = False
-    load: _Load | None = None
-    stepped_during_load: bool = False
-    ran_past: bool = False
-    step_gen: int = 0
-    counted_gen: int = -1
-    counted_active: int = 0
-
-
-class _AllocPlan:
-    """What ``alloc`` will do, decided before anything changes (spec/manager.md §4)."""
-
-    __slots__ = ("undo_load", "splice", "local", "k", "hashes", "rows", "nulled", "restore", "peer", "need",
-                 "lookup_pending", "ext_ran", "load", "load_done", "load_failed")
-
-    def __init__(self):
-        self.undo_load = self.splice = self.lookup_pending = self.ext_ran = False
-        self.load_done = self.load_failed = False
-        self.local = self.k = 0
-        self.hashes: list[bytes] = []
-        self.rows: dict[str, list[int]] = {}  # paged leaf -> spliced row
-        self.nulled: dict[str, int] = {}
-        self.restore: dict[str, int] = {}  # recurrent leaf -> checkpoint page
-        self.peer: dict[int, tuple[int, int]] = {}  # block index -> (source replica, source page)
-        self.need: dict[str, int] = {}  # leaf -> pages the sizing draws
-        self.load: _Load | None = None
-
-
 #: ``alloc``'s result when nothing is in flight (immutable, shared).
 _DONE = CompletedTransfer()
 
-
-def lut_columns(op: str, need: int, page: int, max_cache_length, batches, max_batch_size: int,
-                max_seq_len: int) -> int:
-    """Checks (4) and (5) of ``runtime_inputs`` (spec/manager.md §8), then the lookup-table width.
-
-    ``need`` is the most blocks a context of the batch requires; returns it, or
-    ``ceil(max_cache_length / page)`` when given, rounded up to a multiple of
-    ``LUT_ALIGN`` (at least ``LUT_ALIGN``). Raises ``ValueError`` (before any
-    arithmetic on ``max_cache_length``: it is bounded by ``max_seq_len``).
-    """
-    # (4)
-    if max_cache_length is not None:
-        if max_cache_length < 1:
-            raise ValueError(f"{op}: max_cache_length={max_cache_length}, must be >= 1")
-        if max_cache_length > max_seq_len:
-            raise ValueError(f"{op}: max_cache_length={max_cache_length} > max_seq_len={max_seq_len}")
-        cols_from = math.ceil(max_cache_length / page)
-        if cols_from < need:
-            raise ValueError(f"{op}: max_cache_length={max_cache_length} gives {cols_from} blocks < {need} "
-                             "the batch needs; capture max_cache_length cannot be smaller than the batch's")
-        need = cols_from
-    # (5)
-    for r, batch in enumerate(batches):
-        if len(batch) > max_batch_size:
-            raise ValueError(f"{op}: len(batches[{r}])={len(batch)} > max_batch_size={max_batch_size}")
-    return LUT_ALIGN * max(1, math.ceil(need / LUT_ALIGN))
 
 def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
