@@ -142,7 +142,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                             row.append(pool.allocate_one())
                         else:
                             row.extend(pool.allocate(need))
-                    # Spec §6.1: input_tokens counts each forward's active tokens once.
+                    # spec/manager.md §4.9: input_tokens counts each forward's active tokens once.
                     if req.counted_gen == req.step_gen:
                         self._metrics.input_tokens += active - req.counted_active
                     else:
@@ -161,7 +161,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             raise TypeError(f"alloc: defer_lookup={defer_lookup!r}, must be a bool")
         req = self._requests.get(ctx.request_id) if type(ctx) is TextContext else None
         if req is None or req.ctx is not ctx:
-            req = self._req(op, ctx)  # raises, or adopts a replacement context (Spec §2.3)
+            req = self._req(op, ctx)  # raises, or adopts a replacement context (spec/manager.md §2.3)
         if ctx._length > self._max_seq_len:
             self._check_len(op, ctx)  # raises ValueError
         if req.dummy:
@@ -174,7 +174,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         if splice:
             hashes = self._hashes_for(ctx, req.hashes)
             cap = min(len(hashes), (ctx.active_length - 1) // page)
-            # Spec §6: hits are verified against the context's own int32 tokens (never the hash input).
+            # spec/manager.md §3.2: hits are verified against the context's own int32 tokens (never the hash input).
             hits = pool.lookup_run(hashes[:cap], ctx._tokens[: cap * page]) if cap else []
             k = have = len(hits)
         else:
@@ -206,7 +206,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             req.ext_point = True
         if need:
             row.extend(pool.allocate_array(need).tolist())
-        # Spec §6.1: input_tokens counts each forward's active tokens once.
+        # spec/manager.md §4.9: input_tokens counts each forward's active tokens once.
         if req.counted_gen == req.step_gen:
             m.input_tokens += ctx.active_length - req.counted_active
         else:
@@ -220,7 +220,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             return super().step(ctx)
         req = self._requests.get(ctx.request_id)
         if req is None or req.ctx is not ctx or req.dummy:
-            req = self._req("step", ctx)  # raises, or adopts a replacement context (Spec §2.3)
+            req = self._req("step", ctx)  # raises, or adopts a replacement context (spec/manager.md §2.3)
             if req.dummy:
                 return
         row = req.rows[self._conn_leaf]
@@ -270,7 +270,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         """Hash and publish row block ``i`` (a decode step just filled it; blocks before are committed)."""
         page = self._page
         toks = ctx._tokens[i * page : (i + 1) * page]  # native int32: the verified tokens
-        # Spec §6: the hash input goes through kvspec.hashing.tokens_to_bytes (patchable in tests).
+        # spec/manager.md §3.1 (spec/hashing.md): the hash input goes through kvspec.hashing.tokens_to_bytes (patchable in tests).
         if hash_input_is_native():
             hin = toks.tobytes()
         else:
@@ -304,7 +304,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             return
         row = req.rows[self._conn_leaf]
         if row:
-            # Spec §5.4: tail first, so a chain's tail is evicted before its head.
+            # spec/manager.md §6: tail first, so a chain's tail is evicted before its head.
             self._pools[0][self._conn_leaf].free(np.fromiter(reversed(row), np.int64, len(row)))
 
     def shutdown(self) -> None:

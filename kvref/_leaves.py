@@ -83,7 +83,7 @@ class Leaf:
         self.spec = spec
         self.kind = spec.kind
         self.page_size = page_size
-        # Spec §3.2: the query token is inside its own window, so the hit needs
+        # spec/manager.md §3.2: the query token is inside its own window, so the hit needs
         # the last window-1 tokens before it: ceil((window-1)/page) blocks.
         self.blocks_in_window = math.ceil((spec.window - 1) / page_size) if spec.kind is LeafKind.SLIDING_WINDOW else 0
 
@@ -106,16 +106,16 @@ class Leaf:
         with block ``i``'s tokens; ``resident.run(k)``: the resident run from the root.
         """
         if self.kind is LeafKind.FULL:
-            # Spec §3.2 full: the resident run from the root.
+            # spec/manager.md §3.2 full: the resident run from the root.
             return resident.run(k)
         if self.is_sliding:
-            # Spec §3.2 sliding: a complete resident window before the stop
+            # spec/manager.md §3.2 sliding: a complete resident window before the stop
             # (a resident root run when the stop is inside the first window).
             for j in range(k, 0, -1):
                 if all(resident(i) for i in range(self.window_start(j), j)):
                     return j
             return 0
-        # Spec §3.2 recurrent: the deepest boundary holding a state checkpoint.
+        # spec/manager.md §3.2 recurrent: the deepest boundary holding a state checkpoint.
         for j in range(k, 0, -1):
             if resident(j - 1):
                 return j
@@ -125,7 +125,7 @@ class Leaf:
 def joint_hit(leaves: list[Leaf], cap: int, resident: dict[str, "Residency"]) -> int:
     """The fixed point of the leaves' rules: the longest hit ``<= cap`` every leaf accepts.
 
-    Spec §3.2: not the minimum of the per-leaf hits; narrowing one leaf can
+    spec/manager.md §3.2: not the minimum of the per-leaf hits; narrowing one leaf can
     break another's window, so iterate until all accept one length.
     """
     k = cap

@@ -124,7 +124,7 @@ class PagedKVCacheManager:
         num_blocks = check_int(o, "num_blocks", num_blocks, low=2, high=MAX_INT_ARG)
         max_batch_size = check_int(o, "max_batch_size", max_batch_size, low=1, high=MAX_INT_ARG)
         max_seq_len = check_int(o, "max_seq_len", max_seq_len, low=1, high=MAX_INT_ARG)
-        engine = type(self).make_engine(params, device)  # spec §12: the mechanisms, chosen once
+        engine = type(self).make_engine(params, device)  # spec/manager.md §12: the mechanisms, chosen once
         leaves = [Leaf(lid, spec, params.page_size) for lid, spec in params.leaves().items()]
         if any(leaf.is_recurrent for leaf in leaves) and params.enable_prefix_caching and num_blocks < 3:
             raise ValueError(f"{o}: num_blocks={num_blocks}, must be >= 3 with a recurrent leaf (live + successor)")
@@ -142,12 +142,12 @@ class PagedKVCacheManager:
         self._leaves = leaves
         self._leaf = {leaf.leaf_id: leaf for leaf in leaves}
         self._paged_leaves = [leaf for leaf in leaves if not leaf.is_recurrent]
-        self._salted_roots: OrderedDict[bytes, bytes] = OrderedDict()  # bounded LRU (spec §3.1)
+        self._salted_roots: OrderedDict[bytes, bytes] = OrderedDict()  # bounded LRU (spec/manager.md §3.1)
         self._closed = False  # set by shutdown (spec/manager.md §9.7)
-        # Spec §9.1: tiers and cross-replica copies serve single full-leaf managers.
+        # spec/manager.md §9.1: tiers and cross-replica copies serve single full-leaf managers.
         self._simple = len(leaves) == 1 and leaves[0].kind is LeafKind.FULL
         self._conn_leaf = self._paged_leaves[0].leaf_id
-        # The leaf whose rows carry the chain for twin dedup (spec §5.1): a full leaf if any.
+        # The leaf whose rows carry the chain for twin dedup (spec/manager.md §5.1): a full leaf if any.
         self._anchor = next((leaf for leaf in self._paged_leaves if leaf.kind is LeafKind.FULL), self._paged_leaves[0])
         self._commit_order = [self._anchor] + [leaf for leaf in self._paged_leaves if leaf is not self._anchor]
         self._sliding_leaves = [leaf for leaf in leaves if leaf.is_sliding]
@@ -157,7 +157,7 @@ class PagedKVCacheManager:
         self._engine = engine
         self._pools: list[dict[str, BlockPool]] = [
             {leaf.leaf_id: engine.block_pool(num_blocks) for leaf in leaves} for _ in range(self._dp)]
-        # spec §1.3 / §1.5: buffers exist only when params.allocate_buffers (else nothing is O(bytes)).
+        # spec/manager.md §1.3 / §1.5: buffers exist only when params.allocate_buffers (else nothing is O(bytes)).
         self._holds_bytes = params.allocate_buffers
         self._buffers: list[dict[str, Any]] = [
             {leaf.leaf_id: (engine.page_buffer(self._leaf_shape(leaf), self._leaf_dtype(leaf))
@@ -182,9 +182,9 @@ class PagedKVCacheManager:
             else:
                 connector = NullConnector()
         self._connector = connector
-        # Spec §9.1: the null connector is never called on the hot path.
+        # spec/manager.md §9.1: the null connector is never called on the hot path.
         self._uses_connector = self._simple and self._caching and not isinstance(connector, NullConnector)
-        # spec §1.4: one page store per replica, built by the engine over the final buffers.
+        # spec/manager.md §1.4: one page store per replica, built by the engine over the final buffers.
         if self._holds_bytes:
             stores = [engine.page_store(self._buffers[r][self._conn_leaf]) for r in range(self._dp)]
         else:
@@ -228,7 +228,7 @@ class PagedKVCacheManager:
     def chunk_alignment_tokens(self) -> int:
         """``page_size`` when prefix caching is on and a recurrent leaf exists, else 0.
 
-        Spec §2.4: chunks then end at page boundaries so state checkpoints publish.
+        spec/manager.md §2.4: chunks then end at page boundaries so state checkpoints publish.
         """
         if self._caching and any(leaf.is_recurrent for leaf in self._leaves):
             return self._page
@@ -265,7 +265,7 @@ class PagedKVCacheManager:
         if req is None:
             raise ValueError(f"{op}: request_id={rid!r} is not claimed, so it holds no pages; call claim first")
         if isinstance(ctx, TextContext) and req.ctx is not ctx:
-            # Spec §2.3: a new context object for a claimed id replaces the old one.
+            # spec/manager.md §2.3: a new context object for a claimed id replaces the old one.
             if np.array_equal(req.ctx.tokens[: len(req.hashes) * self._page],
                               ctx.tokens[: len(req.hashes) * self._page]):
                 req.ctx = ctx
@@ -305,7 +305,7 @@ class PagedKVCacheManager:
         return tokens[i * self._page : (i + 1) * self._page]
 
     def _hashes_for(self, ctx: TextContext, have: list[bytes]) -> list[bytes]:
-        """Chained hashes of ctx's full blocks, never covering the last token (Spec §3.1)."""
+        """Chained hashes of ctx's full blocks, never covering the last token (spec/manager.md §3.1)."""
         n = (len(ctx) - 1) // self._page
         if len(have) >= n:
             return have if len(have) == n else have[:n]
@@ -315,7 +315,7 @@ class PagedKVCacheManager:
         return list(have) + more
 
     def _resident(self, r: int, hashes: list[bytes], tokens: np.ndarray) -> dict[str, Residency]:
-        """``{leaf_id: Residency}`` of the chain over replica r's pools (spec §3.2)."""
+        """``{leaf_id: Residency}`` of the chain over replica r's pools (spec/manager.md §3.2)."""
         return {leaf.leaf_id: Residency(self._pools[r][leaf.leaf_id], hashes, tokens, self._page)
                 for leaf in self._leaves}
 
@@ -337,7 +337,7 @@ class PagedKVCacheManager:
         local = joint_hit(self._leaves, cap, resident or self._resident(r, hashes, tokens))
         reach = local
         if self._simple and self._dp > 1:
-            # Spec §7.3: past the local run, each block is local (after a hole) or peer-held.
+            # spec/manager.md §7.3: past the local run, each block is local (after a hole) or peer-held.
             pool = self._pools[r][self._conn_leaf]
             while reach < cap:
                 h, toks = hashes[reach], self._block_tokens(tokens, reach)
@@ -401,7 +401,7 @@ class PagedKVCacheManager:
     def release(self, ctx: TextContext | str) -> None:
         """Free the request's pages, tail first, and forget it.
 
-        Spec §6: rows are freed in reverse so a chain's tail is evicted
+        spec/manager.md §6: rows are freed in reverse so a chain's tail is evicted
         before its head; published pages stay hittable until evicted. A load
         still in flight keeps its pages pinned until it lands (then they are
         published) or fails (then they are freed unpublished).
@@ -413,7 +413,7 @@ class PagedKVCacheManager:
         ValueError
             Not claimed (also on a second release). State is unchanged.
         """
-        self._check_open("release")  # spec §9.7: validated before the request is forgotten
+        self._check_open("release")  # spec/manager.md §9.7: validated before the request is forgotten
         req = self._req("release", ctx, allow_id=True)
         r = req.replica
         del self._requests[req.ctx.request_id]
@@ -465,7 +465,7 @@ class PagedKVCacheManager:
         if (req is not None and req.ctx is ctx and defer_lookup is False and req.load is None
                 and not req.ext_point and not req.dummy and not self._closed and len(ctx) <= self._max_seq_len
                 and req.rows[self._anchor.leaf_id]):
-            # spec §4 for a request past its admission (it holds pages, no load, no external
+            # spec/manager.md §4 for a request past its admission (it holds pages, no load, no external
             # stage due): the drain (step 2), the sizing (step 6) and the count (step 9) only.
             if self._loads or self._offloads:
                 self._drain()
@@ -480,17 +480,17 @@ class PagedKVCacheManager:
         if req.dummy:
             return self._size_dummy(req)
         if self._loads or self._offloads:
-            self._drain()  # Spec §9.2: finished transfers land before anything is sized.
+            self._drain()  # spec/manager.md §9.2: finished transfers land before anything is sized.
         if req.load is not None and req.load.state == "failed" and req.ran_past:
             raise RuntimeError(
                 f"alloc: request_id={ctx.request_id!r} ran past a failed load of {len(req.load.pages)} blocks "
                 f"at block {req.load.start}; release it and recompute"
             ) from req.load.error
-        plan = self._plan_alloc(req, ctx, defer_lookup)  # spec §4: every check; nothing changes
+        plan = self._plan_alloc(req, ctx, defer_lookup)  # spec/manager.md §4: every check; nothing changes
         return self._commit_alloc(req, ctx, plan)  # nothing below can fail
 
     def _grow(self, req: _Request, ctx: TextContext) -> KVTransfer:
-        """spec §4.6 and §4.9 for a request that holds pages and has nothing in flight: size
+        """spec/manager.md §4.6 and §4.9 for a request that holds pages and has nothing in flight: size
         every leaf, all or nothing, then count the forward's input tokens."""
         pools, page = self._pools[req.replica], self._page
         required = -(-ctx.current_position // page)
@@ -515,10 +515,10 @@ class PagedKVCacheManager:
                 row.append(pool.allocate_one())
             else:
                 row.extend(pool.allocate(n))
-            if leaf.is_recurrent and len(row) == n:  # spec §4.7: a fresh live state starts at zero
+            if leaf.is_recurrent and len(row) == n:  # spec/manager.md §4.7: a fresh live state starts at zero
                 self._run_copies(req, [("restore", leaf.leaf_id, NULL_BLOCK, row[0])])
         m, active = self._metrics, ctx.active_length
-        if req.counted_gen == req.step_gen:  # Spec §4.9: input_tokens counts each forward once
+        if req.counted_gen == req.step_gen:  # spec/manager.md §4.9: input_tokens counts each forward once
             m.input_tokens += active - req.counted_active
         else:
             m.input_tokens += active
@@ -526,7 +526,7 @@ class PagedKVCacheManager:
         return _DONE
 
     def _at_reuse_point(self, req: _Request, ctx: TextContext) -> bool:
-        # Spec §3.3: reuse only while the request holds no pages and nothing is processed.
+        # spec/manager.md §3.3: reuse only while the request holds no pages and nothing is processed.
         return (
             self._caching
             and ctx.processed_length == 0
@@ -546,7 +546,7 @@ class PagedKVCacheManager:
         processed = ctx.processed_length - (len(req.load.pages) * page if plan.undo_load else 0)
         ext_point, hashes = req.ext_point, req.hashes
         touched: dict[str, set[int]] = {}  # leaf -> hit pages the splice takes
-        pops: list[int] = []  # pages the peer copies draw, in order (spec §7.3)
+        pops: list[int] = []  # pages the peer copies draw, in order (spec/manager.md §7.3)
         if self._at_reuse_point(req, ctx):
             touched = {leaf.leaf_id: set() for leaf in self._leaves}
             tokens = ctx.tokens
@@ -558,17 +558,17 @@ class PagedKVCacheManager:
             for leaf in self._leaves:
                 lid = leaf.leaf_id
                 if leaf.is_recurrent:
-                    if k:  # spec §4.5: the checkpoint, copied into the new live page
+                    if k:  # spec/manager.md §4.5: the checkpoint, copied into the new live page
                         c = resident[lid].page(k - 1)
                         plan.restore[lid] = c
                         touched[lid].add(c)
                     continue
-                lo = leaf.window_start(k)  # spec §5.3: sliding slots below the window are null
+                lo = leaf.window_start(k)  # spec/manager.md §5.3: sliding slots below the window are null
                 row = [NULL_BLOCK] * lo + resident[lid].pages(lo, k)
                 plan.rows[lid], plan.nulled[lid] = row, lo
                 touched[lid].update(row[lo:])
             if reach > local:
-                # spec §7.3: past the local run a block is taken locally (after a hole) or copied
+                # spec/manager.md §7.3: past the local run a block is taken locally (after a hole) or copied
                 # from a peer into a fresh page, best effort: a copy needs a free local page.
                 pool, row, held = pools[self._conn_leaf], plan.rows[self._conn_leaf], touched[self._conn_leaf]
                 free = pool.num_free - pool.count_free(list(held))
@@ -589,7 +589,7 @@ class PagedKVCacheManager:
                     k = i + 1
             plan.splice, plan.local, plan.k, plan.hashes = True, local, k, hashes
             committed, processed, ext_point = k, k * page, True
-        # spec §4.6: size every leaf, all or nothing; the free count is after the hit took its pages.
+        # spec/manager.md §4.6: size every leaf, all or nothing; the free count is after the hit took its pages.
         required = self._required_blocks(ctx)
         for leaf in self._leaves:
             lid, pool = leaf.leaf_id, pools[leaf.leaf_id]
@@ -609,12 +609,12 @@ class PagedKVCacheManager:
                     f"{free} free or evictable on replica {r}"
                 )
             plan.need[lid] = n
-        # spec §9.3: the external stage, when due; its lookup and the load's post happen here, so a
+        # spec/manager.md §9.3: the external stage, when due; its lookup and the load's post happen here, so a
         # bad answer or an unexpected error of the connector leaves the state as after the drain.
         if (self._uses_connector and ext_point and not req.skip_connector and processed == committed * page
                 and committed < len(hashes)):
             if defer_lookup and req.lookup is None:
-                plan.lookup_pending = True  # spec §9.4: awaits start_lookup and the next alloc
+                plan.lookup_pending = True  # spec/manager.md §9.4: awaits start_lookup and the next alloc
             else:
                 plan.ext_ran = True
                 self._plan_load(req, ctx, plan, committed, processed, hashes, touched, pops)
@@ -644,11 +644,11 @@ class PagedKVCacheManager:
             handle = self._connector.load(dest, hashes[k : k + n], toks, r)
             done = handle.is_complete()
         except KVLoadRefused:
-            # Spec §9.3: a refused load is a clean miss; the pages stay the request's.
+            # spec/manager.md §9.3: a refused load is a clean miss; the pages stay the request's.
             # connector_loads_refused is the connector's counter (no double count).
             return
         except KVLoadFailed:
-            plan.load_failed = True  # spec §9.3: a miss at the device hit, skip the connector
+            plan.load_failed = True  # spec/manager.md §9.3: a miss at the device hit, skip the connector
             return
         plan.load = _Load(r, ctx.request_id, k, dest, list(hashes[k : k + n]), toks, handle)
         plan.load_done = done
@@ -675,7 +675,7 @@ class PagedKVCacheManager:
                     pool.touch_many(row[plan.nulled[lid] : local])
                 req.rows[lid], req.nulled[lid] = row, plan.nulled[lid]
             pool, row = pools[self._conn_leaf], req.rows[self._conn_leaf]
-            for i in range(local, k):  # spec §7.3: the peer-held part, in block order
+            for i in range(local, k):  # spec/manager.md §7.3: the peer-held part, in block order
                 src = plan.peer.get(i)
                 if src is None:
                     pool.touch(row[i])
@@ -693,7 +693,7 @@ class PagedKVCacheManager:
             m.cache_tokens += k * page
             m.device_blocks_served += k
             req.ext_point = True
-        for leaf in self._leaves:  # spec §4.6: the sizing's pages
+        for leaf in self._leaves:  # spec/manager.md §4.6: the sizing's pages
             n = plan.need[leaf.leaf_id]
             if not n:
                 continue
@@ -720,8 +720,8 @@ class PagedKVCacheManager:
             self._connector.touch(req.hashes[:device_hit], r)
         transfer: KVTransfer = _DONE
         if req.load is not None and req.load.state == "pending":
-            transfer = req.load.handle  # Spec §4: a repeated alloc returns the load still in flight
-        # Spec §4.9: input_tokens counts each forward's active tokens once.
+            transfer = req.load.handle  # spec/manager.md §4: a repeated alloc returns the load still in flight
+        # spec/manager.md §4.9: input_tokens counts each forward's active tokens once.
         if req.counted_gen == req.step_gen:
             m.input_tokens += ctx.active_length - req.counted_active
         else:
@@ -730,15 +730,15 @@ class PagedKVCacheManager:
         return transfer
 
     def _run_copies(self, req: _Request, copies: list) -> None:
-        """Byte copies of an alloc, run only once nothing can fail any more (spec §4.7)."""
+        """Byte copies of an alloc, run only once nothing can fail any more (spec/manager.md §4.7)."""
         r, eng = req.replica, self._engine
-        for kind, a, src, dst in copies if self._holds_bytes else ():  # spec §1.5: no bytes, no copies
+        for kind, a, src, dst in copies if self._holds_bytes else ():  # spec/manager.md §1.5: no bytes, no copies
             if kind == "peer":
                 eng.copy_page(self._buffers[r][self._conn_leaf], dst, self._buffers[a][self._conn_leaf], src)
             else:
                 buf = self._buffers[r][a]
                 if src == NULL_BLOCK:
-                    eng.zero_page(buf, dst)  # Spec §4.7: a fresh recurrent state starts at zero
+                    eng.zero_page(buf, dst)  # spec/manager.md §4.7: a fresh recurrent state starts at zero
                 else:
                     eng.copy_page(buf, dst, buf, src)
         for lid, c in req.restore.items():
@@ -789,7 +789,7 @@ class PagedKVCacheManager:
         )
 
     def _splice_load(self, req: _Request, ctx: TextContext, load: _Load, done: bool) -> None:
-        """spec §9.3: the posted load's blocks join the hit; published now if complete, else pinned."""
+        """spec/manager.md §9.3: the posted load's blocks join the hit; published now if complete, else pinned."""
         n, page, m = len(load.pages), self._page, self._metrics
         ctx.skip_processing(n * page)
         req.committed = load.start + n
@@ -839,10 +839,10 @@ class PagedKVCacheManager:
             pins[b] -= 1
             if not pins[b]:
                 del pins[b]
-        self._pools[r][self._conn_leaf].free(pages[::-1])  # spec §9.2: tail first
+        self._pools[r][self._conn_leaf].free(pages[::-1])  # spec/manager.md §9.2: tail first
 
     def _undo_failed_load(self, req: _Request, ctx: TextContext) -> None:
-        """Spec §9.6: re-take only the device hit after a load failed post-splice."""
+        """spec/manager.md §9.6: re-take only the device hit after a load failed post-splice."""
         load = req.load
         n = len(load.pages)
         ctx.rewind_processing(n * self._page)
@@ -907,7 +907,7 @@ class PagedKVCacheManager:
         if k is None:
             return False
         hashes = self._hashes_for(ctx, req.hashes)
-        n = self._lookup("start_lookup", req.replica, hashes, ctx.tokens, k)  # one answer check (spec §9.4)
+        n = self._lookup("start_lookup", req.replica, hashes, ctx.tokens, k)  # one answer check (spec/manager.md §9.4)
         req.hashes = hashes
         req.lookup = (k, n)
         return True
@@ -955,7 +955,7 @@ class PagedKVCacheManager:
         if req is None or req.ctx is not ctx or self._closed:
             op = "step"
             self._check_open(op)
-            req = self._req(op, ctx)  # raises, or adopts a replacement context (spec §2.3)
+            req = self._req(op, ctx)  # raises, or adopts a replacement context (spec/manager.md §2.3)
         if req.dummy:
             return
         rows = req.rows
@@ -973,7 +973,7 @@ class PagedKVCacheManager:
             req.ext_point, req.lookup, req.lookup_pending = False, None, False
         if req.load is not None:
             if req.load.state == "failed":
-                req.ran_past = True  # Spec §9.6: the forward read pages that never landed
+                req.ran_past = True  # spec/manager.md §9.6: the forward read pages that never landed
                 return
             req.stepped_during_load = True  # pending: commits wait for the landing
             return
@@ -1002,7 +1002,7 @@ class PagedKVCacheManager:
             kept = pool.publish_run(row[lo:stop], hashes[lo:stop], tokens[: (stop - lo) * page])
             for j, c in enumerate(kept):
                 b = row[lo + j]
-                if c != b:  # spec §5.1: twin dedup, keep the published copy (same chain)
+                if c != b:  # spec/manager.md §5.1: twin dedup, keep the published copy (same chain)
                     pool.touch(c)
                     row[lo + j] = c
                     pool.free([b])
@@ -1052,7 +1052,7 @@ class PagedKVCacheManager:
             if len(row) < 2 or pool.lookup(h, toks) is not None:
                 continue
             live, succ = row
-            if self._holds_bytes:  # Spec §5.2: the successor carries on, the old live page is the checkpoint
+            if self._holds_bytes:  # spec/manager.md §5.2: the successor carries on, the old live page is the checkpoint
                 buf = self._buffers[req.replica][leaf.leaf_id]
                 self._engine.copy_page(buf, succ, buf, live)
             pool.publish(live, h, toks)
@@ -1066,7 +1066,7 @@ class PagedKVCacheManager:
             if cut <= lo:
                 continue
             row = req.rows[leaf.leaf_id]
-            # Spec §5.3: freed tail first, nulled in place (row index = same tokens in every leaf).
+            # spec/manager.md §5.3: freed tail first, nulled in place (row index = same tokens in every leaf).
             self._pools[req.replica][leaf.leaf_id].free(list(reversed(row[lo:cut])))
             row[lo:cut] = [NULL_BLOCK] * (cut - lo)
             req.nulled[leaf.leaf_id] = cut
@@ -1080,7 +1080,7 @@ class PagedKVCacheManager:
         except KVLoadFailed as e:
             self._fail_load(load, e)
             return []
-        except Exception as e:  # Spec §9.6: other errors propagate after unpinning
+        except Exception as e:  # spec/manager.md §9.6: other errors propagate after unpinning
             self._fail_load(load, e, count=False)
             return [e]
         if done:
@@ -1123,7 +1123,7 @@ class PagedKVCacheManager:
             raise errors[0]
 
     def _post_offloads(self) -> None:
-        """Post queued offload runs, truncated at the first evicted hash (Spec §9.2)."""
+        """Post queued offload runs, truncated at the first evicted hash (spec/manager.md §9.2)."""
         for r in range(self._dp):
             queue, self._offload_queue[r] = self._offload_queue[r], []
             pool = self._pools[r][self._conn_leaf]
@@ -1285,7 +1285,7 @@ class PagedKVCacheManager:
         head_dim]`` of ``params.dtype``; recurrent: ``[num_blocks,
         *state_shape]`` of its state dtype. Raises ``TypeError`` /
         ``IndexError`` for a bad ``replica_idx``; ``RuntimeError`` in
-        bookkeeping-only mode (``params.allocate_buffers=False``, spec §1.5).
+        bookkeeping-only mode (``params.allocate_buffers=False``, spec/manager.md §1.5).
         """
         r = self._replica("get_device_buffer", replica_idx)
         if not self._holds_bytes:
@@ -1385,7 +1385,7 @@ class PagedKVCacheManager:
                     raise TypeError(f"{op}: batches[{r}][{i}]={c!r}, must be a TextContext")
         if max_cache_length is not None and not _is_int(max_cache_length):
             raise TypeError(f"{op}: max_cache_length={max_cache_length!r}, must be an int or None")
-        # Spec §8 (1)
+        # spec/manager.md §8 (1)
         if len(batches) != self._dp:
             raise ValueError(f"{op}: len(batches)={len(batches)} but data_parallel_degree={self._dp}; "
                              "the number of batches must match the number of replicas")
@@ -1422,7 +1422,7 @@ class PagedKVCacheManager:
         cols = lut_columns(op, need, page, max_cache_length, batches, self._max_batch_size,
                            self._max_seq_len)  # checks (4), (5)
 
-        self._post_offloads()  # Spec §9.2: queued offloads are posted before the forward
+        self._post_offloads()  # spec/manager.md §9.2: queued offloads are posted before the forward
         out = []
         for r, batch in enumerate(batches):
             per = {}
@@ -1432,7 +1432,7 @@ class PagedKVCacheManager:
                 rows = [self._requests[c.request_id].rows[lid] for c in batch]
                 widths = [1 if leaf.is_recurrent else self._required_blocks(c) for c in batch]
                 per[lid] = KVCacheInputsPerDevice(
-                    kv_blocks=self._buffers[r][lid],  # None in bookkeeping-only mode (spec §8)
+                    kv_blocks=self._buffers[r][lid],  # None in bookkeeping-only mode (spec/manager.md §8)
                     lookup_table=self._engine.to_device(self._engine.lookup_table(rows, widths, width)),
                     cache_lengths=self._engine.to_device(
                         np.array([c.processed_length for c in batch], dtype=np.uint32)),
@@ -1491,7 +1491,7 @@ class PagedKVCacheManager:
                         h = q.hashes[i]
                         toks = self._block_tokens(ctx.tokens, i)
                         if pool.block_hash[b] is None:
-                            # spec §10.4: only a page whose hash another page holds (a collision,
+                            # spec/manager.md §10.4: only a page whose hash another page holds (a collision,
                             # or a twin of another chain) stays unpublished; the chain stops there.
                             assert pool.hash_to_block.get(h) is not None, (
                                 f"{p}: request {rid!r} committed block {i} (page {b}) is not published")
