@@ -112,6 +112,10 @@ def _value_text(name: str, value) -> str:
     return format_bytes(value) if name.endswith("_bytes") else f"{value:,}"
 
 
+def _pct1(x: float) -> str:
+    return f"{x:.1f}" if x >= 0.05 else "<0.1"
+
+
 def format_sweep(runs: list, name: str) -> str:
     """One row per swept value: hit rate, ceiling, the largest lost-hit causes, preemptions, capacity."""
     if not runs:
@@ -120,7 +124,7 @@ def format_sweep(runs: list, name: str) -> str:
             f"{'ceiling %':>9}  {'preempt':>7}  lost hits (% of prompt tokens)")
     lines = [f"kvcache replay sweep: {runs[0][0].workload}, backend {runs[0][0].backend}", head]
     for s, value in runs:
-        lost = ", ".join(f"{k} {100 * v / s.prompt_tokens:.1f}"
+        lost = ", ".join(f"{k} {_pct1(100 * v / s.prompt_tokens)}"
                          for k, v in sorted(s.lost_hit_tokens.items(), key=lambda kv: -kv[1])) or "none"
         lines.append(f"{_value_text(name, value):>16}  {s.blocks_per_replica - 1:>9,}  "
                      f"{s.capacity_tokens:>12,}  {100 * s.hit_rate:>6.2f}  {100 * s.ceiling_hit_rate:>9.2f}  "
@@ -260,12 +264,14 @@ def write_plot(stats: ReplayStats, path: str | os.PathLike) -> None:
             ax.invert_yaxis()
             ax.set_xlabel("lost hits, % of prompt tokens (ceiling minus hit rate)")
         else:
-            mib = 1024.0 * 1024.0
+            top = max(max(s[k]) for k in tier_keys)
+            unit, div = next((u, d) for u, d in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10),
+                                                 ("B", 1)) if top >= d or d == 1)
             labels = {"d2h_bytes": "device->host", "h2d_bytes": "host->device",
                       "disk_bytes_written": "disk write", "disk_bytes_read": "disk read"}
             for key in tier_keys:
-                ax.plot(x, [v / mib for v in s[key]], label=labels[key])
-            ax.set_ylabel("MiB moved (cumulative)")
+                ax.plot(x, [v / div for v in s[key]], label=labels[key])
+            ax.set_ylabel(f"{unit} moved (cumulative)")
             ax.set_xlabel("scheduler step")
             ax.legend(loc="upper left")
     fig.suptitle(f"kvcache replay: {stats.workload}, backend {stats.backend}")
