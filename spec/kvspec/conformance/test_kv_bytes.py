@@ -195,20 +195,24 @@ def test_pool_first_and_last_rows(kv_backend, kv_oracle, mode):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("layout", ["contiguous", "strided_v", "strided_k", "inner_strided", "float32"])
 def test_large_steps(kv_backend, kv_oracle, mode, layout):
-    """Steps of 128 tokens and more (a kvfast option scatters those in parallel,
-    ``KVFAST_PARALLEL_SCATTER=1``): one 140-token prefill over 140 one-row
-    blocks, and a 130-row decode step, every token's K and V in its place."""
+    """Steps of 128 tokens and more (a kvfast option scatters those by runs, in
+    parallel when there are many, ``KVFAST_PARALLEL_SCATTER=1``): a 140-token
+    prefill of one slot, one of two slots (runs that start past the storage's
+    first row), and a 130-row decode step; every token's K and V in its place."""
     paged = mode is KVCacheMode.PAGED
     p = _pair(kv_backend, kv_oracle, mode, specs=[KVLayerSpec.attention(1, 4)], max_seqs=130, max_seq_len=141,
-              block_size=1 if paged else 16, num_blocks=300 if paged else 0)
-    rows = [(0, 140)]
-    steps = _step(p, rows)
-    k, v = distinct_pair((140, 1, 4), "float16", 11)
-    _append(p, steps, 0, *_layout(layout, k, v))
-    _commit(p, rows)
-    gk, gv = _gather(p, 0, 0)
-    assert_same(k, gk, "K of the 140-token prefill")
-    assert_same(v, gv, "V of the 140-token prefill")
+              block_size=2 if paged else 16, num_blocks=300 if paged else 0)
+    for seed, rows in ((11, [(0, 140)]), (13, [(1, 70), (2, 70)])):
+        steps = _step(p, rows)
+        k, v = distinct_pair((140, 1, 4), "float16", seed)
+        _append(p, steps, 0, *_layout(layout, k, v))
+        _commit(p, rows)
+        t = 0
+        for s, n in rows:
+            gk, gv = _gather(p, 0, s)
+            assert_same(k[t:t + n], gk, f"K of slot {s} after a 140-token prefill")
+            assert_same(v[t:t + n], gv, f"V of slot {s} after a 140-token prefill")
+            t += n
     rows = [(s, 1) for s in range(130)]
     steps = _step(p, rows)
     k2, v2 = distinct_pair((130, 1, 4), "float16", 12)
@@ -226,7 +230,7 @@ def test_large_steps(kv_backend, kv_oracle, mode, layout):
     _append(p, steps, 0, *_layout(layout, k2, v2))
     _commit(p, rows)
     for s in (0, 1, 64, 129):
-        n = 141 if s == 0 else 1
+        n = {0: 141, 1: 71}.get(s, 1)
         sk, sv = _stored(p, 0, s, n)
         assert_same(k2[s], sk[n - 1], f"K of slot {s}'s decode token")
         assert_same(v2[s], sv[n - 1], f"V of slot {s}'s decode token")
