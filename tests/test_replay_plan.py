@@ -180,3 +180,60 @@ def test_cli_sweep_errors(capsys):
     assert code == 2 and err == "kvcache: error: --num-blocks=500,500: a value is repeated\n"
     code, out, err = run(capsys, "replay", "--cluster", "local", "--no-progress")
     assert code == 2 and "needs a sweep" in err
+
+
+# --------------------------------------------------------------------------- user habits
+
+
+def test_ctrl_c_returns_the_summary_so_far(capsys, monkeypatch):
+    from kvcache.report import format_table
+
+    w = synthetic_workload(30, seed=1)
+    calls = []
+
+    def progress(done, total, step):
+        calls.append(step)
+        if step == 40:
+            raise KeyboardInterrupt
+
+    s = replay(w, ReplayConfig(num_layers=1, kv_heads=1, head_dim=2, backend="kvref", max_inflight=2),
+               progress=progress)
+    assert s.interrupted and s.steps == 40 and 0 < s.requests < 30
+    assert s.lost_hit_total == s.ceiling_hit_tokens - s.hit_tokens  # over the requests admitted so far
+    assert "(interrupted: the work done so far)" in format_table(s)
+
+    import kvcache.cli as cli
+
+    real = cli._progress_bar
+    monkeypatch.setattr(cli.sys.stderr, "isatty", lambda: True, raising=False)
+
+    def bar(total):
+        inner = real(total)
+
+        def call(done, total_, step):
+            if step == 30:
+                raise KeyboardInterrupt
+            inner(done, total_, step)
+
+        call.close = inner.close
+        return call
+
+    monkeypatch.setattr(cli, "_progress_bar", bar)
+    code, out, err = run(capsys, "replay", "--num-requests", "30", "--num-layers", "1", "--kv-heads", "1",
+                         "--head-dim", "2")
+    assert code == 130
+    assert "prefix hit rate" in out and "interrupted" in out
+    assert "kvcache: interrupted; the summary covers the work done so far" in err
+
+
+def test_plot_to_stdout_and_empty_panels_left_out(capsysbinary):
+    pytest.importorskip("matplotlib")
+    code = main(["replay", "--num-requests", "4", "--num-blocks", "4096", "--max-inflight", "1",
+                 "--num-layers", "1", "--kv-heads", "1", "--head-dim", "2", "--no-progress", "--plot", "-"])
+    out, err = capsysbinary.readouterr()
+    assert code == 0 and out[:8] == b"\x89PNG\r\n\x1a\n" and b"prefix hit rate" in err
+    # nothing lost and no tier: two panels (blocks, hit rate), not four
+    from PIL import Image
+    import io
+
+    assert Image.open(io.BytesIO(out)).size == (900, 600)
