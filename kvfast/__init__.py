@@ -37,6 +37,9 @@ _LAZY = {
     "TieredConnector": "._tiers",
     "ops": ".ops",
     "conformance_backend": "._backend",
+    "BlockPool": "._block_pool",
+    "FastManagerEngine": "._manager_engine",
+    "CudaManagerEngine": "._manager_engine",
 }
 
 __all__ = sorted(set(_spec_all) | set(_LAZY) | set(_kvref.__all__) | {"check_invariants"})

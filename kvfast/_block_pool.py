@@ -1,6 +1,6 @@
 """The fast block pool: free list, reference counts and the prefix index (DESIGN §4.2).
 
-A drop-in for :class:`kvref._block_pool.BlockPool` (same methods, attributes,
+A drop-in for :class:`kvref.BlockPool` (same methods, attributes,
 allocation order and errors) with O(1) work per block and no Python object
 per block on the list:
 
@@ -43,6 +43,9 @@ __all__ = ["BlockPool", "NULL_BLOCK"]
 
 #: The null block: padding target of every table, never allocated.
 NULL_BLOCK = 0
+
+#: Up to this many blocks, ``free`` and ``touch_many`` loop in Python (cheaper than a kernel call).
+_SMALL = 4
 
 #: Runs an iterator of side effects (``map`` of a setter) to the end at C speed.
 _consume = deque(maxlen=0).extend
@@ -305,6 +308,12 @@ class BlockPool:
     def touch_many(self, blocks) -> int:
         """:meth:`touch` each of ``blocks`` (distinct, none null) in one call; returns
         how many left the free list."""
+        if type(blocks) is list and len(blocks) <= _SMALL:
+            revived = 0
+            for b in blocks:  # a few blocks: no kernel call
+                revived += self.ref_count[b] == 0
+                self.touch(b)
+            return int(revived)
         if type(blocks) is list:
             arr = np.fromiter(blocks, np.int64, len(blocks))  # faster than asarray for a list of ints
         else:
@@ -321,8 +330,9 @@ class BlockPool:
         A block reaching 0 goes to the front of the free list if unpublished,
         to the back if published. The null block is skipped.
         """
-        if type(blocks) is list and len(blocks) == 1:
-            self._free_one(blocks[0])  # one block (a twin, an unpinned page): no kernel call
+        if type(blocks) is list and len(blocks) <= _SMALL:
+            for b in blocks:  # a few blocks (a twin, an unpinned run, a slide): no kernel call
+                self._free_one(b)
             return
         arr = np.asarray(blocks if isinstance(blocks, np.ndarray) else list(blocks), dtype=np.int64)
         if arr.size == 0:
