@@ -1,20 +1,22 @@
-"""The fast request manager ``PagedKVCacheManager`` (DESIGN §5, §7).
+"""The fast request manager ``PagedKVCacheManager`` (DESIGN §5, §7; spec/manager.md §12).
 
-``kvfast.PagedKVCacheManager`` *is* a ``kvref.PagedKVCacheManager`` (a
-subclass): every method has the reference's signature, results and errors.
-What changes is the cost:
+``kvfast.PagedKVCacheManager`` is the policy, ``kvref.PagedKVCacheManager``
+(its public class), on a fast engine chosen by :meth:`make_engine`:
+:class:`~kvfast._manager_engine.FastManagerEngine` on the CPU (the Numba
+block pool, the SHA-256 chain kernel, one-scatter lookup tables),
+:class:`~kvfast._manager_engine.CudaManagerEngine` on a GPU (CuPy buffers,
+``CudaPageStore`` for the tiers, device-side inputs). Every configuration
+(replicas, sliding and recurrent leaves, tiers, in-flight loads) runs the
+policy on that engine.
 
-* every pool is a :class:`kvfast._block_pool.BlockPool` (intrusive int32
-  free list, batch touch/free/allocate in Numba);
-* the hash chain hashes one bytes buffer per block, incrementally, never
-  re-hashing a block;
-* ``alloc``, ``step`` and ``release`` take a fast path in the common serving
-  configuration (one full-attention leaf, one replica, no external
-  connector): no O(pool) snapshot for atomicity (everything that can fail is
-  checked before the first mutation), hit verification by one bytes compare
-  per block, batched ref-count updates. Other configurations (sliding or
-  recurrent leaves, replicas, tiers, in-flight loads) run the reference
-  code paths over the fast pools.
+One duplication remains, measured and kept on purpose: for the serving
+configuration of the peer benchmark (one full-attention leaf, one replica, no
+connector) ``claim``, ``alloc``, ``step`` and ``release`` have lanes here that
+do the policy's steps with fewer checks (the decode step's allocation, the
+one-block commit of a decode step, the tail-first release in one kernel
+call). They give the same results, errors and block ids (the differential
+and lane tests compare them with kvref) and halve that configuration's
+bookkeeping; anything they do not cover falls through to the policy.
 """
 
 from __future__ import annotations
