@@ -109,11 +109,6 @@ def test_broken_backends_are_otherwise_kvref():
     assert codes == {"kv_bytes:v_written_as_k": 0, "manager_paths:hit_skips_last_token": 0}, f"{codes}\n{_tail(proc)}"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvfast bug: with KVFAST_PARALLEL_SCATTER=1 a run of one slot's tokens is copied as one span when K "
-    "is packed, without checking V's stride (kvfast/_numba/copy.py _copy_runs_serial/_copy_runs_parallel), "
-    "so a V with strided rows is written wrong (test_large_steps[strided_v-contiguous] and "
-    "[inner_strided-contiguous]); remove this mark when fixed"))
 def test_kvfast_parallel_scatter_option():
     """kvfast's off-default option: the K/V byte tests (steps of 128 tokens and more,
     strided and converted inputs) with ``KVFAST_PARALLEL_SCATTER=1``."""

@@ -45,6 +45,10 @@ def test_scatter_rows_matches_numpy(parallel, data):
         wide = np.zeros((t, 2 * r), word)
         wide[:, :r] = src_k
         src_k = wide[:, :r]
+    if data.draw(st.booleans()):  # a strided V beside a packed K (a run must not be one V span then)
+        wide = np.zeros((t, 3 * r), word)
+        wide[:, r : 2 * r] = src_v
+        src_v = wide[:, r : 2 * r]
     dk = rng.integers(0, 250, nb * bs * r).astype(word)
     dv = rng.integers(0, 250, nb * bs * r).astype(word)
     want_k, want_v = dk.copy().reshape(nb * bs, r), dv.copy().reshape(nb * bs, r)

@@ -121,7 +121,7 @@ def _copy_runs_serial(src_k, src_v, dst_k, dst_v, k_base, v_base, slot_mapping, 
         t = starts[j]
         s = slot_mapping[t]
         off = (s // block_size) * block_stride + (s % block_size) * row_stride
-        if sks == row_bytes and row_stride * isz == row_bytes:  # whole run is one contiguous span
+        if sks == row_bytes and svs == row_bytes and row_stride * isz == row_bytes:  # whole run: one span each
             _memcpy(dk + (k_base + off) * isz, sk + t * sks, lengths[j] * row_bytes)
             _memcpy(dv + (v_base + off) * isz, sv + t * svs, lengths[j] * row_bytes)
         else:
@@ -183,7 +183,7 @@ def _copy_runs_parallel(src_k, src_v, dst_k, dst_v, k_base, v_base, slot_mapping
         t = starts[j]
         s = slot_mapping[t]
         off = (s // block_size) * block_stride + (s % block_size) * row_stride
-        if sks == row_bytes and row_stride * isz == row_bytes:
+        if sks == row_bytes and svs == row_bytes and row_stride * isz == row_bytes:
             _memcpy(dk + (k_base + off) * isz, sk + t * sks, lengths[j] * row_bytes)
             _memcpy(dv + (v_base + off) * isz, sv + t * svs, lengths[j] * row_bytes)
         else:
