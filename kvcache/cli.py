@@ -314,8 +314,10 @@ def _remember_secret(url: str | None) -> None:
 def scrub(text: str) -> str:
     """``text`` with every remembered secret (a ``--remote`` password) replaced by ``***``."""
     for secret in _SECRETS:
-        if secret:
+        if len(secret) >= 4:
             text = text.replace(secret, "***")
+        elif secret:  # a very short password: only where it sits in a URL, not every letter of the message
+            text = text.replace(f":{secret}@", ":***@").replace(f"password={secret!r}", "password='***'")
     return text
 
 
