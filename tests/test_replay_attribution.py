@@ -54,6 +54,18 @@ def test_evicted_device_only():
     assert only(s, "evicted:device") == 8
 
 
+@pytest.mark.parametrize("backend", ["kvref", "kvfast"])
+def test_evicted_device_and_host_only(backend):
+    # As above with a host tier of one page: a's pages are offloaded, then pushed out of the host too.
+    p = list(range(1, 13))
+    others = [req(f"o{i}", list(range(100 * (i + 1), 100 * (i + 1) + 12)), [7]) for i in range(4)]
+    w = [req("a", p, [99]), *others, req("b", p, [98])]
+    cfg = ReplayConfig(page_size=4, num_blocks=6, max_inflight=1, **{**TINY, "backend": backend})
+    s = replay(w, ReplayConfig(**{**cfg.__dict__, "host_bytes": cfg.page_bytes()}))
+    assert s.d2h_bytes > 0  # the tier did take pages
+    assert only(s, "evicted:device+host") == 8
+
+
 def test_isolated_by_salt_only():
     p = list(range(1, 13))
     w = [req("a", p, [99], salt="tenant-1"), req("b", p, [98], salt="tenant-2")]
