@@ -219,3 +219,44 @@ def test_python_examples_run(page, capsys):
     ns = {"__name__": "__docs__"}  # a page's blocks run in order, as a reader runs them
     for block in blocks:
         exec(compile(block, f"docs/{page}", "exec"), ns)
+
+
+def _history():
+    sys.path.insert(0, os.path.join(DOCS, "_hooks"))
+    try:
+        import benchmark_history
+    finally:
+        sys.path.pop(0)
+    return benchmark_history
+
+
+def test_benchmark_history_is_kept_in_the_repository():
+    """asv results of the reference machine are committed and every recorded benchmark is on the page."""
+    h = _history()
+    benchmarks, machines, runs = h.load_history()
+    assert "kvcache-ref-2core" in machines and runs, "no asv results under asv_bench/results/"
+    page = h.page_markdown()
+    for name in {b for r in runs for b in r["results"]}:
+        assert f"## `{name}`" in page, name
+
+
+def test_benchmark_history_adds_a_row_per_commit(tmp_path):
+    """Two runs of a parametrized benchmark render as two rows, oldest first, a column per combination."""
+    import json
+
+    h = _history()
+    (tmp_path / "m1").mkdir()
+    (tmp_path / "m1" / "machine.json").write_text(json.dumps({"machine": "m1", "cpu": "test cpu", "version": 1}))
+    (tmp_path / "benchmarks.json").write_text(json.dumps(
+        {"b.T.time_x": {"unit": "seconds", "param_names": ["package"]}, "version": 2}))
+    cols = ["result", "params", "version", "started_at", "duration"]
+    for commit, date, values in (("bbbbbbbb22", 2000, [2e-3, None]), ("aaaaaaaa11", 1000, [1.5e-6, 3.0])):
+        (tmp_path / "m1" / f"{commit[:8]}-env.json").write_text(json.dumps({
+            "commit_hash": commit, "date": date, "result_columns": cols, "version": 2,
+            "results": {"b.T.time_x": [values, [["'kvref'", "'kvfast'"]], "v", 0, 0]}}))
+    page = h.page_markdown(str(tmp_path))
+    assert "| date | commit | machine | kvref | kvfast |" in page
+    first, second = page.index("`aaaaaaaa`"), page.index("`bbbbbbbb`")
+    assert first < second
+    assert "| 1.5 us | 3 s |" in page and "| 2 ms | n/a |" in page
+    assert "`m1`: cpu: test cpu" in page

@@ -13,6 +13,7 @@ import itertools
 import json
 import math
 import os
+import re
 
 from mkdocs.structure.files import File
 
@@ -25,23 +26,28 @@ cd asv_bench
 asv machine --yes --machine kvcache-ref-2core --os "Linux (Debian 12)" --arch x86_64 \\
     --cpu "AMD EPYC (2 vCPU, shared)" --num_cpu 2 --ram "shared VM"   # once per machine
 asv run --python=same --quick --machine kvcache-ref-2core --set-commit-hash $(git rev-parse HEAD)
+# a subset: add --bench REGEX (e.g. "^bench_append"); runs of one commit merge into one file
 git add results && git commit -m "asv: results of $(git rev-parse --short HEAD)" -- results
 ```"""
 
 
 def _fmt(value, unit: str) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "failed"
+        return "n/a"  # skipped (e.g. no GPU) or failed
     if unit == "seconds":
         for scale, name in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us"), (1e-9, "ns")):
             if abs(value) >= scale:
                 return f"{value / scale:.3g} {name}"
         return f"{value:.3g} s"
+    if float(value).is_integer():
+        return f"{int(value):,} {unit}".strip()
     return f"{value:.4g} {unit}".strip()
 
 
 def _label(combo) -> str:
-    return ", ".join(str(p).strip("'\"") for p in combo) or "-"
+    """A parameter combination as table text (enum reprs by member name, no HTML-like brackets)."""
+    parts = [re.sub(r"<\w+\.(\w+): [^>]*>", r"\1", str(p)).strip("'\"") for p in combo]
+    return ", ".join(parts).replace("<", "&lt;") or "-"
 
 
 def load_history(results_dir: str = RESULTS) -> tuple[dict, dict, list]:
@@ -92,8 +98,10 @@ def page_markdown(results_dir: str = RESULTS) -> str:
            "metadata for the ratio table of the [performance page](performance.md).", "",
            "## Adding a run", "", ADD_A_RUN, "",
            "`--quick` runs each benchmark once (the machine is shared); drop it on a quiet machine for "
-           "repeated samples. `asv publish` (then `asv preview`) builds asv's interactive pages from the "
-           "same files into `asv_bench/.asv/html`.", "", "## Machines", ""]
+           "repeated samples. A `--quick` row is one sample on a shared machine: compare rows of the same "
+           "machine, and read a single row as indicative. `n/a` is a benchmark that was skipped (the CUDA "
+           "ones without a GPU) or failed. `asv publish` (then `asv preview`) builds asv's interactive pages "
+           "from the same files into `asv_bench/.asv/html`.", "", "## Machines", ""]
     if not machines:
         out += ["No machine has recorded results yet.", ""]
     for name, info in machines.items():
