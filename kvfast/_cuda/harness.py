@@ -134,7 +134,7 @@ def compiler() -> str:
         if c and shutil.which(c):
             return shutil.which(c)
     raise HarnessError(
-        f"kvfast harness: no C++ compiler found (tried $CXX, g++, c++, clang++); install one "
+        "kvfast harness: no C++ compiler found (tried $CXX, g++, c++, clang++); install one "
         "(apt-get install g++) to run kvfast's .cu kernels on the CPU"
     )
 
