@@ -132,8 +132,10 @@ class CudaPageStore:
                 )
         return ids
 
-    def _staging(self, n: int):
-        """Device bounce buffer and pinned host buffer of at least ``n`` pages."""
+    def _staging(self, n: int, host: str = "host"):
+        """Device bounce buffer and pinned host buffer of at least ``n`` pages: ``host="host"`` is
+        ``read``'s (what it returns), ``"host_w"`` is ``write``'s, so a write never overwrites the
+        last read's result (kvspec.PageStore: valid until the next *read*)."""
         cp = cupy()
         loc = self._local
         bounce = getattr(loc, "bounce", None)
@@ -141,8 +143,11 @@ class CudaPageStore:
             cap = max(n, 2 * (0 if bounce is None else bounce.shape[0]), 1)
             with cp.cuda.Device(self._device_id):
                 loc.bounce = cp.empty((cap, self._pages.shape[1]), dtype=self._word)
-            loc.host = pinned_empty((cap, self.page_nbytes))
-        return loc.bounce[:n], loc.host[:n]
+        pinned = getattr(loc, host, None)
+        if pinned is None or pinned.shape[0] < n:
+            pinned = pinned_empty((max(n, 2 * (0 if pinned is None else pinned.shape[0]), 1), self.page_nbytes))
+            setattr(loc, host, pinned)
+        return loc.bounce[:n], pinned[:n]
 
     # ------------------------------------------------------------------ PageStore
 
@@ -207,7 +212,7 @@ class CudaPageStore:
             raise ValueError(f"CudaPageStore.write: block_ids={ids.tolist()} repeats a page")
         if n == 0:
             return
-        dev, host = self._staging(n)
+        dev, host = self._staging(n, "host_w")
         np.copyto(host, np.ascontiguousarray(data).view(np.uint8).reshape(n, self.page_nbytes))
         with cp.cuda.Device(self._device_id):
             dev.set(host.view(self._word), stream=self._stream)
