@@ -184,7 +184,9 @@ def test_cuda_page_store(emulated):
     assert _is_pinned(cp, got)
     arena = ps.alloc_host(4)
     assert arena.shape == (4, ps.page_nbytes) and not arena.any() and _is_pinned(cp, arena)
+    kept = got.copy()
     ps.write([0, 5], got[:2].copy())
+    assert got.tobytes() == kept.tobytes()  # a write never overwrites the last read's result
     host[[0, 5]] = host[[3, 1]]
     assert buf.get().tobytes() == host.tobytes()
     before = buf.get().tobytes()
