@@ -492,8 +492,8 @@ class PagedKVCacheManager:
     def _grow(self, req: _Request, ctx: TextContext) -> KVTransfer:
         """spec/manager.md §4.6 and §4.9 for a request that holds pages and has nothing in flight: size
         every leaf, all or nothing, then count the forward's input tokens."""
-        pools, page = self._pools[req.replica], self._page
-        required = -(-ctx.current_position // page)
+        pools = self._pools[req.replica]
+        required = self._required_blocks(ctx)
         need = []
         for leaf in self._leaves:
             row = req.rows[leaf.leaf_id]
