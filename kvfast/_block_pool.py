@@ -175,9 +175,11 @@ class BlockPool:
         return self.free_order_array().tolist()
 
     def is_free(self, block: int) -> bool:
+        """True when ``block`` is on the free list (free, or published with no reference)."""
         return block != NULL_BLOCK and 0 <= block < self.num_blocks and self.ref_count[block] == 0
 
     def is_published(self, block: int) -> bool:
+        """True when ``block`` is in the prefix index (it has a hash)."""
         return self.block_hash[block] is not None
 
     def lookup(self, block_hash: bytes, tokens) -> int | None:
@@ -216,6 +218,7 @@ class BlockPool:
         self._tok_len[blocks] = w
 
     def contains_hash(self, block_hash: bytes) -> bool:
+        """True when a published block holds ``block_hash`` (its tokens not checked)."""
         return block_hash in self.hash_to_block
 
     # ------------------------------------------------------------------ mutations
