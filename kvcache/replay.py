@@ -545,6 +545,8 @@ def replay(
     if len(requests) == 0:
         raise ValueError("replay: requests is empty")
     say = status or (lambda text: None)
+    say(f"loading the {config.backend if config.backend != 'auto' else 'kvfast'} backend "
+        f"(its kernels compile on first use)")
     cls, backend = manager_class(config.backend)
     if not config.allocate_buffers and not plans_without_bytes(cls):
         # The manager does not implement bookkeeping-only yet: run with real buffers, and say so
