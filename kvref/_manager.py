@@ -1423,22 +1423,27 @@ class PagedKVCacheManager:
                            self._max_seq_len)  # checks (4), (5)
 
         self._post_offloads()  # spec/manager.md §9.2: queued offloads are posted before the forward
+        eng, requests = self._engine, self._requests
         out = []
         for r, batch in enumerate(batches):
+            # what every leaf's inputs share, computed once per batch
+            reqs = [requests[c.request_id] for c in batch]
+            widths = [self._required_blocks(c) for c in batch]
+            lengths = eng.to_device(np.array([c.processed_length for c in batch], dtype=np.uint32))
+            longest = max((c.active_length for c in batch), default=0)
+            bound = (int(max_cache_length) if max_cache_length is not None
+                     else max((c.current_position for c in batch), default=0))
             per = {}
             for lid in leaf_ids:
-                leaf = self._leaf[lid]
-                width = LUT_ALIGN if leaf.is_recurrent else cols
-                rows = [self._requests[c.request_id].rows[lid] for c in batch]
-                widths = [1 if leaf.is_recurrent else self._required_blocks(c) for c in batch]
+                recurrent = self._leaf[lid].is_recurrent  # spec §8: one column, the live state page
+                lut = eng.lookup_table([q.rows[lid] for q in reqs], [1] * len(reqs) if recurrent else widths,
+                                       LUT_ALIGN if recurrent else cols)
                 per[lid] = KVCacheInputsPerDevice(
                     kv_blocks=self._buffers[r][lid],  # None in bookkeeping-only mode (spec/manager.md §8)
-                    lookup_table=self._engine.to_device(self._engine.lookup_table(rows, widths, width)),
-                    cache_lengths=self._engine.to_device(
-                        np.array([c.processed_length for c in batch], dtype=np.uint32)),
-                    max_prompt_length=max((c.active_length for c in batch), default=0),
-                    max_cache_length=(int(max_cache_length) if max_cache_length is not None
-                                      else max((c.current_position for c in batch), default=0)),
+                    lookup_table=eng.to_device(lut),
+                    cache_lengths=lengths,
+                    max_prompt_length=longest,
+                    max_cache_length=bound,
                 )
             out.append(per)
         return out
