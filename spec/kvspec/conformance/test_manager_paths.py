@@ -156,6 +156,10 @@ def test_second_alloc_before_step(kv_backend, kv_oracle):
     assert p.sut.get_metrics_aggregated().input_tokens == before, "a repeated alloc counted the input tokens twice"
     p.raises("manager.alloc(TextContext('b', other tokens))",
              lambda m, cs: m.alloc(TextContext("b", np.array(prompt + [7, 7], np.int32))), ValueError)
+    p.raises("manager.step(TextContext('b', other tokens))",
+             lambda m, cs: m.step(TextContext("b", np.array(prompt + [7, 7], np.int32))), ValueError)
+    p.raises("manager.release(TextContext('b', other tokens))",
+             lambda m, cs: m.release(TextContext("b", np.array(prompt + [7, 7], np.int32))), ValueError)
     _run(p, "b", token=7, seed=2, alloc=False)
     _alloc(p, "b")
     _alloc(p, "b")
