@@ -1435,7 +1435,7 @@ class PagedKVCacheManager:
                      else max((c.current_position for c in batch), default=0))
             per = {}
             for lid in leaf_ids:
-                recurrent = self._leaf[lid].is_recurrent  # spec §8: one column, the live state page
+                recurrent = self._leaf[lid].is_recurrent  # spec/manager.md §8: one column, the live state page
                 lut = eng.lookup_table([q.rows[lid] for q in reqs], [1] * len(reqs) if recurrent else widths,
                                        LUT_ALIGN if recurrent else cols)
                 per[lid] = KVCacheInputsPerDevice(
