@@ -7,9 +7,8 @@ conformance suite on the fast path against ``kvref``.
 
 from __future__ import annotations
 
-import contextlib
-
 from kvspec.conformance import CAPABILITIES, Backend
+from kvspec.hashing import collide_hashes
 
 __all__ = ["conformance_backend", "collide_hashes"]
 
@@ -27,21 +26,6 @@ def _make_manager(params, *, num_blocks, max_batch_size, max_seq_len, device="cp
         params, num_blocks=num_blocks, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
         device=device, connector=connector,
     )
-
-
-@contextlib.contextmanager
-def collide_hashes():
-    """Make every block hash ignore token values while active (collision test, DESIGN §6).
-
-    kvfast hashes only through ``kvspec.hashing.tokens_to_bytes`` (the slot
-    cache via ``kvspec.hashing.block_hashes``, the manager via its chain over
-    ``tokens_to_bytes``), so patching that one function collides both; a
-    correct kvfast still serves only verified hits. Not thread-safe.
-    """
-    from kvref._backend import collide_hashes as ref_collide
-
-    with ref_collide():
-        yield
 
 
 def conformance_backend() -> Backend:

@@ -8,9 +8,7 @@ invariants).
 
 from __future__ import annotations
 
-import contextlib
-
-from kvspec import hashing
+from kvspec.hashing import collide_hashes
 from kvspec.conformance import CAPABILITIES, Backend
 
 __all__ = ["conformance_backend", "collide_hashes"]
@@ -29,27 +27,6 @@ def _make_manager(params, *, num_blocks, max_batch_size, max_seq_len, device="cp
         params, num_blocks=num_blocks, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
         device=device, connector=connector,
     )
-
-
-@contextlib.contextmanager
-def collide_hashes():
-    """Make ``kvspec.hashing`` ignore token values while the context is active.
-
-    Every block hash becomes ``H(parent + zeros)``: two prompts of the same
-    salt collide at every depth. kvref hashes only through ``kvspec.hashing``,
-    so a correct kvref still serves only verified hits (DESIGN §6). Not
-    thread-safe; for the conformance suite's collision test.
-    """
-    real = hashing.tokens_to_bytes
-
-    def zeros(tokens) -> bytes:
-        return bytes(len(real(tokens)))  # validates as the real one, then forgets the values
-
-    hashing.tokens_to_bytes = zeros
-    try:
-        yield
-    finally:
-        hashing.tokens_to_bytes = real
 
 
 def conformance_backend() -> Backend:

@@ -189,7 +189,8 @@ class PagedKVCacheManager:
             stores = [engine.page_store(self._buffers[r][self._conn_leaf]) for r in range(self._dp)]
         else:
             stores = [BookkeepingPageStore(num_blocks, params.page_bytes(self._conn_leaf)) for _ in range(self._dp)]
-        connector.attach(stores, params)
+        # spec/tiers.md §2: one live owner per connector; a second live manager is refused.
+        connector.attach(stores, params, owner=self)
 
     @classmethod
     def make_engine(cls, params: KVCacheParams, device: str) -> ManagerEngine:
@@ -1311,10 +1312,11 @@ class PagedKVCacheManager:
 
         Raises ``RuntimeError`` after ``shutdown``."""
         self._check_open("reset_prefix_cache")
+        # The connector first: when its reset raises, the device prefix cache is still as it was.
+        self._connector.reset_prefix_cache()
         for pools in self._pools:
             for pool in pools.values():
                 pool.reset_prefix_cache()
-        self._connector.reset_prefix_cache()
 
     def _free_order(self, replica_idx: int = 0, leaf_id: str = "full") -> list[int]:
         """The free list of one pool, front first (for differential tests)."""

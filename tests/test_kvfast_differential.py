@@ -360,7 +360,7 @@ def test_peer_adapter_lifecycle_matches_reference():
 
 def test_manager_collisions_never_serve_wrong_tokens():
     """Every block hash collides (token values ignored): hits still verify the stored tokens."""
-    from kvref._backend import collide_hashes
+    from kvspec.hashing import collide_hashes
 
     results = []
     with collide_hashes():
@@ -385,7 +385,7 @@ def test_manager_collisions_never_serve_wrong_tokens():
 
 
 def test_slot_cache_collisions_never_serve_wrong_tokens():
-    from kvref._backend import collide_hashes
+    from kvspec.hashing import collide_hashes
     from kvspec import KVCacheConfig, KVCacheMode, KVLayerSpec
 
     cfg = KVCacheConfig(num_layers=1, max_seqs=2, max_seq_len=16, mode=KVCacheMode.PAGED, block_size=2)

@@ -759,7 +759,7 @@ class DictConnector:
         self.lookups = 0
         self.metrics_ = KVCacheMetrics()
 
-    def attach(self, stores, params):
+    def attach(self, stores, params, *, owner=None):
         self.buffers = list(stores)  # one kvspec.PageStore per replica (spec/manager.md §1.4)
 
     def lookup(self, hashes, tokens, replica_idx=0):

@@ -16,7 +16,7 @@ from test_manager import PAGE, DictConnector, forward
 
 import kvfast
 import kvref
-from kvref._backend import collide_hashes
+from kvspec.hashing import collide_hashes
 from kvspec import KVCacheParams, LeafSpec, TextContext
 
 PKGS = pytest.mark.parametrize("pkg", [kvref, kvfast], ids=["kvref", "kvfast"])

@@ -38,13 +38,14 @@ class KVConnector(Protocol):
 
     name: str
 
-    def attach(self, stores: Sequence, params: KVCacheParams) -> None:
+    def attach(self, stores: Sequence, params: KVCacheParams, *, owner: object = None) -> None:
         """Bind the device pages before first use: one ``kvspec.PageStore`` per
         replica (every device read and write goes through ``store.read`` /
         ``store.write``; ``holds_bytes=False`` is bookkeeping-only mode), or one
         buffer ``[num_blocks, 2, num_layers, page_size, kv_heads, head_dim]`` per
-        replica. A connector serves one live owner at a time: an attach over
-        another live manager's pages raises ``RuntimeError`` (spec/tiers.md §2)."""
+        replica. ``owner`` is the attaching manager (it passes itself). A
+        connector serves one live owner at a time: an attach by another live
+        owner raises ``RuntimeError`` (spec/tiers.md §2)."""
 
     def lookup(self, hashes: Sequence[bytes], tokens: np.ndarray, replica_idx: int = 0) -> int:
         """Number of leading blocks of ``hashes`` the tiers hold. Advisory:

@@ -13,12 +13,14 @@ never a proof: every hit also compares the stored token ids.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from typing import NewType, Sequence
 
 import numpy as np
 
 __all__ = [
+    "collide_hashes",
     "BlockHash",
     "HASH_ALGOS",
     "ROOT_DOMAIN",
@@ -151,3 +153,26 @@ def block_hashes(
         prev = h(prev + data[i * step : (i + 1) * step])
         out.append(BlockHash(prev))
     return out
+
+
+@contextlib.contextmanager
+def collide_hashes():
+    """Make every block hash ignore token values while the context is active.
+
+    Every block hash becomes ``H(parent + zeros)``: two prompts of the same
+    salt collide at every depth. Backends that hash only through this module
+    (``tokens_to_bytes``) collide with it, and a correct backend still serves
+    only token-verified hits (spec/hashing.md). Not thread-safe; the
+    conformance suite's collision hook (``Backend.collide_hashes``).
+    """
+    global tokens_to_bytes
+    real = tokens_to_bytes
+
+    def zeros(tokens) -> bytes:
+        return bytes(len(real(tokens)))  # validates as the real one, then forgets the values
+
+    tokens_to_bytes = zeros
+    try:
+        yield
+    finally:
+        tokens_to_bytes = real

@@ -29,7 +29,7 @@ class EagerPublishConnector:
         self.real = real
         self.name = getattr(real, "name", "eager")
 
-    def attach(self, buffers, params):
+    def attach(self, buffers, params, *, owner=None):
         return self.real.attach(buffers, params)
 
     def lookup(self, hashes, tokens, replica_idx=0):

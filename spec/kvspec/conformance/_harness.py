@@ -227,7 +227,7 @@ class ManualConnector:
         self.pending: list["_ManualTransfer"] = []
         self.buffers = None
 
-    def attach(self, buffers, params) -> None:
+    def attach(self, buffers, params, *, owner=None) -> None:
         self.buffers = list(buffers)
 
     def lookup(self, hashes, tokens, replica_idx: int = 0) -> int:
