@@ -34,7 +34,6 @@ _emulate()
 _LAZY = {
     "KVCache": "._slot_cache",
     "PagedKVCacheManager": "._manager",
-    "TieredConnector": "._tiers",
     "ops": ".ops",
     "conformance_backend": "._backend",
     "BlockPool": "._block_pool",
