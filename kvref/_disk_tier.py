@@ -463,7 +463,7 @@ class DiskTier(EntryIndex):
         try:
             os.mkdir(path)
         except FileExistsError:
-            pass
+            pass  # made by a concurrent writer in between: open it as ours
         return os.open(path, _DIR_FLAGS)
 
     def open(self) -> WarmStart:

@@ -133,7 +133,7 @@ class _Runtime(types.SimpleNamespace):
 
 
 class CUDARuntimeError(RuntimeError):
-    pass
+    """``cupy.cuda.runtime.CUDARuntimeError``: what kvfast catches when no device answers."""
 
 
 runtime = _Runtime(
