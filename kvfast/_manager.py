@@ -11,9 +11,10 @@ policy on that engine.
 
 One duplication remains, measured and kept on purpose: for the serving
 configuration of the peer benchmark (one full-attention leaf, one replica, no
-connector) ``claim``, ``alloc``, ``step`` and ``release`` have lanes here that
-do the policy's steps with fewer checks (the decode step's allocation, the
-one-block commit of a decode step, the tail-first release in one kernel
+connector) ``claim``, ``alloc``, ``step``, ``runtime_inputs`` and ``release``
+have lanes here that do the policy's steps with fewer checks (the decode
+step's allocation, the one-block commit of a decode step, the batch's checks
+and lookup table in a few C-level passes, the tail-first release in one kernel
 call). They give the same results, errors and block ids (the differential
 and lane tests compare them with kvref) and halve that configuration's
 bookkeeping; anything they do not cover falls through to the policy.
@@ -30,6 +31,8 @@ from kvspec import hashing
 from kvspec._config import parse_device
 from kvspec._manager_types import (
     CompletedTransfer,
+    KVCacheInputs,
+    KVCacheInputsPerDevice,
     KVCacheParams,
     KVTransfer,
     LeafKind,
@@ -44,6 +47,10 @@ __all__ = ["PagedKVCacheManager"]
 
 #: ``alloc``'s result when nothing is in flight (immutable, shared).
 _DONE = CompletedTransfer()
+
+#: ``lookup_table`` columns are ``roundup8(max(1, n))`` (spec/manager.md §8).
+_LUT_ALIGN = 8
+
 
 def _sha256_digest(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
@@ -293,6 +300,54 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         elif pool.block_hash[b] != h:
             return  # a collision: the chain stops here
         req.committed = i + 1
+
+    def runtime_inputs(self, batches, *, max_cache_length: int | None = None) -> KVCacheInputs:
+        """The paged-attention inputs of one forward (same contract and errors as the reference).
+
+        Lane: one replica's batch of claimed ``TextContext`` rows that holds
+        every block it needs, without ``max_cache_length``. The lookup table and
+        cache lengths are built from the rows in a few C-level passes; anything
+        the lane does not prove valid goes to the policy (which raises).
+        """
+        if self._fast and max_cache_length is None and type(batches) is list and len(batches) == 1:
+            out = self._inputs_lane(batches[0])
+            if out is not None:
+                return out
+        return super().runtime_inputs(batches, max_cache_length=max_cache_length)
+
+    def _inputs_lane(self, batch) -> KVCacheInputs | None:
+        """``runtime_inputs([batch])`` when every check of spec/manager.md §8 passes, else None."""
+        if type(batch) is not list and type(batch) is not tuple:
+            return None
+        n = len(batch)
+        # spec/manager.md §8 (5); (1)-(2) hold (one replica, one full leaf); queued offloads
+        # exist only with a connector, so there is nothing to post (§9.2).
+        if n == 0 or n > self._max_batch_size or self._closed:
+            return None
+        for c in batch:
+            if type(c) is not TextContext:
+                return None
+        # (3): every row claimed (on replica 0, the only one), once, holding the blocks it needs
+        ids = [c.request_id for c in batch]
+        reqs = list(map(self._requests.get, ids))
+        if not all(reqs) or len(set(ids)) != n:
+            return None
+        leaf, page = self._conn_leaf, self._page
+        rows = [q.rows[leaf] for q in reqs]
+        ends = [c._processed + c._active for c in batch]  # current_position
+        widths = [-(-e // page) for e in ends]  # num_req_blocks
+        if list(map(len, rows)) != widths and not all(map(int.__ge__, map(len, rows), widths)):
+            return None
+        need = max(widths)
+        cols = _LUT_ALIGN * (-(-need // _LUT_ALIGN) or 1)
+        eng = self._engine
+        return KVCacheInputs((KVCacheInputsPerDevice(
+            kv_blocks=self._buffers[0][leaf],  # None in bookkeeping-only mode (spec/manager.md §8)
+            lookup_table=eng.to_device(eng.lookup_table(rows, widths, cols)),
+            cache_lengths=eng.to_device(np.array([c._processed for c in batch], dtype=np.uint32)),
+            max_prompt_length=max([c._active for c in batch]),
+            max_cache_length=max(ends),
+        ),))
 
     def release(self, ctx: TextContext | str) -> None:
         """Free the request's pages, tail first, and forget it (same contract as the reference)."""

@@ -3,8 +3,8 @@
 * :class:`FastManagerEngine` (CPU): the Numba block pool
   (:class:`kvfast._block_pool.BlockPool`: intrusive int32 free list, batch
   kernels, one token table), the SHA-256 chain kernel that reads the
-  context's int32 tokens in place, and lookup tables built in one vectorised
-  scatter.
+  context's int32 tokens in place, and lookup tables built by one kernel call
+  (:func:`kvfast._numba.lut.fill_lut`).
 * :class:`CudaManagerEngine` (GPU): the same bookkeeping; page buffers as CuPy
   arrays, seen by the tiers through ``CudaPageStore`` (``stage.cu`` and pinned
   host memory), lookup tables and cache lengths moved to the device.
@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import sys
+from array import array
 from typing import Sequence
 
 import numpy as np
@@ -28,6 +29,7 @@ from kvspec import hashing
 
 from ._block_pool import BlockPool
 from ._numba import sha as _sha
+from ._numba.lut import fill_lut
 
 __all__ = ["FastManagerEngine", "CudaManagerEngine"]
 
@@ -86,16 +88,17 @@ class FastManagerEngine(kvref.ReferenceManagerEngine):
         return chain(parent, data, 4 * page_size, n, hash_algo)
 
     def lookup_table(self, rows: Sequence[Sequence[int]], widths: Sequence[int], cols: int) -> np.ndarray:
-        """One scatter into a zeroed ``uint32 [len(rows), cols]`` (no per-block Python work)."""
-        n = len(rows)
-        lut = np.zeros((n, cols), dtype=np.uint32)
-        if n:
-            w = np.asarray(widths, dtype=np.int64)
+        """The rows' leading ids gathered into one ``uint32`` run (``array.fromlist`` per row, no
+        per-block Python work), scattered by one kernel call into a zeroed ``uint32 [len(rows), cols]``."""
+        flat = array("I")
+        put = flat.fromlist
+        try:
+            for row, k in zip(rows, widths):
+                put(row if len(row) == k else row[:k])  # a row is a list of Python ints (the policy's rows)
+        except (TypeError, OverflowError):  # another sequence type: one pass over every id
             flat = np.fromiter(itertools.chain.from_iterable(row[:k] for row, k in zip(rows, widths)),
-                               dtype=np.uint32, count=int(w.sum()))
-            starts = np.repeat(np.cumsum(w) - w, w)
-            lut[np.repeat(np.arange(n), w), np.arange(flat.size) - starts] = flat
-        return lut
+                               dtype=np.uint32)
+        return fill_lut(np.frombuffer(flat, dtype=np.uint32), np.array(widths, dtype=np.int64), cols)
 
     def __repr__(self) -> str:
         return "FastManagerEngine()"
