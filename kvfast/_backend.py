@@ -7,16 +7,37 @@ conformance suite on the fast path against ``kvref``.
 
 from __future__ import annotations
 
+import functools
+
 from kvspec.conformance import CAPABILITIES, Backend
 from kvspec.hashing import collide_hashes
 
 __all__ = ["conformance_backend", "collide_hashes"]
 
 
-def _make_cache(config, layer_specs):
+@functools.lru_cache(maxsize=None)
+def _both_scatter_paths_cache():
+    """The class, built once on first use (kvfast's engines load Numba: not at entry-point scan)."""
     from ._slot_cache import KVCache
+    from ._slot_engine import FastSlotEngine
 
-    return KVCache.make(config, layer_specs)
+    class BothScatterPathsKVCache(KVCache):
+        """``kvfast.KVCache`` whose CPU engine has the parallel scatter on, so the suite reaches
+        both copy paths: steps of few or long runs stay serial, steps of >= 128 short runs take
+        the ``prange`` path that ``KVFAST_PARALLEL_SCATTER=1`` selects in production."""
+
+        @classmethod
+        def make_engine(cls, config):
+            engine = super().make_engine(config)
+            if type(engine) is FastSlotEngine:
+                return FastSlotEngine(config.max_seqs, parallel_scatter=True)
+            return engine
+
+    return BothScatterPathsKVCache
+
+
+def _make_cache(config, layer_specs):
+    return _both_scatter_paths_cache().make(config, layer_specs)
 
 
 def _make_manager(params, *, num_blocks, max_batch_size, max_seq_len, device="cpu", connector=None):

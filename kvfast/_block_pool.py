@@ -195,13 +195,6 @@ class BlockPool:
             return None
         return block
 
-    def lookup_bytes(self, block_hash: bytes, token_bytes: bytes) -> int | None:
-        """:meth:`lookup` with the tokens already as int32 little-endian bytes."""
-        block = self.hash_to_block.get(block_hash)
-        if block is None or not self._holds(block, np.frombuffer(token_bytes, "<i4")):
-            return None
-        return block
-
     def _holds(self, block: int, toks: np.ndarray) -> bool:
         """Whether published ``block`` stores exactly the 1-D int32 ``toks``."""
         n = toks.shape[0]
@@ -389,12 +382,6 @@ class BlockPool:
             return block
         return self._publish(block, bytes(block_hash), np.array(tokens, dtype=np.int32).ravel())
 
-    def publish_bytes(self, block: int, block_hash: bytes, token_bytes: bytes) -> int:
-        """:meth:`publish` with the tokens as int32 little-endian bytes."""
-        if self.block_hash[block] is not None:
-            return block
-        return self._publish(block, block_hash, np.frombuffer(token_bytes, "<i4"))
-
     def publish_tokens(self, block: int, block_hash: bytes, tokens: np.ndarray) -> int:
         """:meth:`publish` with ``block_hash`` as bytes and the tokens as int32 ``[w]``."""
         if self.block_hash[block] is not None:
@@ -468,13 +455,13 @@ class BlockPool:
         return out
 
     def lookup_run(self, hashes: list[bytes], token_bytes) -> list[int]:
-        """The longest leading run of :meth:`lookup_bytes` hits over ``hashes``.
+        """The longest leading run of :meth:`lookup` hits over ``hashes``.
 
         ``token_bytes`` holds the run's tokens, the same number per block:
         int32 little-endian bytes, or an int32 array ``[n_tokens]`` (no
         copy). Returns the hit blocks in order; the
         run stops at the first hash not in the index **or** whose stored
-        tokens differ (Spec §6), as a loop over ``lookup_bytes`` would.
+        tokens differ (Spec §6), as a loop over ``lookup`` would.
         """
         n = len(hashes)
         if n == 0:

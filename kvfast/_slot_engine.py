@@ -116,11 +116,15 @@ class FastSlotEngine(ReferenceSlotEngine):
     ----------
     max_seqs : int
         Slots of the cache (sizes the duplicate-slot scratch).
+    parallel_scatter : bool, optional
+        Scatter steps of many short runs over both cores (``prange``); ``None``
+        takes ``KVFAST_PARALLEL_SCATTER`` (off unless ``"1"``). Fixed here, for
+        the engine's life.
     """
 
     device = "cpu"
 
-    def __init__(self, max_seqs: int):
+    def __init__(self, max_seqs: int, parallel_scatter: bool | None = None):
         #: scratch of the duplicate-slot check: a slot is seen in this call iff mark[s] == the call's stamp
         self._mark = np.zeros(max_seqs, np.int64)
         self._first = np.zeros(max_seqs, np.int32)
@@ -133,6 +137,10 @@ class FastSlotEngine(ReferenceSlotEngine):
         #: the Numba step and copy kernels, bound once (compiled or loaded from the on-disk cache on first use)
         self._k = _step()
         self._c = _copy()
+        if parallel_scatter is None:
+            self._parallel_runs = self._c.PARALLEL_RUNS
+        else:
+            self._parallel_runs = self._c.PARALLEL_RUNS_ON if parallel_scatter else self._c.PARALLEL_RUNS_OFF
 
     # ------------------------------------------------------------------ storage and bookkeeping
 
@@ -234,7 +242,7 @@ class FastSlotEngine(ReferenceSlotEngine):
         # C-contiguous inputs (the common case) as [T, row_words] views without as_words' general path
         kw = k.reshape(t, -1).view(word) if k.flags.c_contiguous else c.as_words(k, word)
         vw = v.reshape(t, -1).view(word) if v.flags.c_contiguous else c.as_words(v, word)
-        return c.scatter_rows(kw, vw, Kw, Vw, 0, 0, sm, bs, block_stride, row_stride, rows)
+        return c.scatter_rows(kw, vw, Kw, Vw, 0, 0, sm, bs, block_stride, row_stride, rows, self._parallel_runs)
 
     def gather_kv(self, K, V, slot: int, n: int, block_row, block_size: int):
         if block_row is None:

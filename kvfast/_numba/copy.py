@@ -18,7 +18,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 __all__ = [
-    "PARALLEL_RUNS", "PARALLEL_SPAN_BYTES", "word_dtype", "as_words", "flat_words",
+    "PARALLEL_RUNS", "PARALLEL_RUNS_ON", "PARALLEL_RUNS_OFF", "PARALLEL_SPAN_BYTES", "word_dtype", "as_words", "flat_words",
     "scatter_rows", "gather_rows",
 ]
 
@@ -27,9 +27,12 @@ __all__ = [
 #: scattered rows are latency-bound, so a second core helps (decode steps).
 #: Long spans (prefill) are bandwidth-bound and one core saturates memory;
 #: measured on the 2-core CI VM (docs/performance.md).
-#: Off by default (``KVFAST_PARALLEL_SCATTER=1`` turns it on): on a busy machine
+#: Off by default (``KVFAST_PARALLEL_SCATTER=1`` turns it on for every engine made
+#: after import; ``FastSlotEngine(parallel_scatter=True)`` for one): on a busy machine
 #: an OpenMP parallel region waits for a descheduled worker (milliseconds).
-PARALLEL_RUNS = 128 if os.environ.get("KVFAST_PARALLEL_SCATTER") == "1" else 1 << 62
+PARALLEL_RUNS_ON = 128
+PARALLEL_RUNS_OFF = 1 << 62
+PARALLEL_RUNS = PARALLEL_RUNS_ON if os.environ.get("KVFAST_PARALLEL_SCATTER") == "1" else PARALLEL_RUNS_OFF
 PARALLEL_SPAN_BYTES = 16 << 10
 
 _WORDS = (np.dtype(np.uint64), np.dtype(np.uint32), np.dtype(np.uint16), np.dtype(np.uint8))
@@ -194,7 +197,7 @@ def _copy_runs_parallel(src_k, src_v, dst_k, dst_v, k_base, v_base, slot_mapping
 
 
 def scatter_rows(src_k, src_v, dst_k, dst_v, k_base, v_base, slot_mapping, block_size, block_stride, row_stride,
-                 limit=None) -> int:
+                 limit=None, parallel_runs=None) -> int:
     """Write row ``t`` of ``src_k``/``src_v`` (``[T, row_words]``) at slot
     ``slot_mapping[t]`` of the flat word arrays ``dst_k``/``dst_v``.
 
@@ -206,11 +209,16 @@ def scatter_rows(src_k, src_v, dst_k, dst_v, k_base, v_base, slot_mapping, block
     ``memcpy`` (bit patterns, vectorised by libc). Slots must be distinct
     (a step's slot_mapping always is).
 
+    ``parallel_runs`` (default: the module's ``PARALLEL_RUNS``) is the engine's
+    threshold, fixed when the engine is made.
+
     Returns -1, or (writing nothing) the first token whose slot is ``>= limit``.
     """
     n = slot_mapping.shape[0]
     limit = (1 << 62) if limit is None else limit
-    if n < PARALLEL_RUNS or k_base or v_base:
+    if parallel_runs is None:
+        parallel_runs = PARALLEL_RUNS
+    if n < parallel_runs or k_base or v_base:
         if k_base or v_base:  # a view per call costs as much as the dispatch: only when offset
             dst_k, dst_v = dst_k[k_base:], dst_v[v_base:]
         return _scatter_serial(src_k, src_v, dst_k, dst_v, slot_mapping, block_size, block_stride, row_stride,
@@ -221,7 +229,7 @@ def scatter_rows(src_k, src_v, dst_k, dst_v, k_base, v_base, slot_mapping, block
     if n_runs < 0:
         return -1 - n_runs
     nbytes = 2 * src_k.size * src_k.itemsize
-    parallel = n_runs >= PARALLEL_RUNS and nbytes <= n_runs * PARALLEL_SPAN_BYTES
+    parallel = n_runs >= parallel_runs and nbytes <= n_runs * PARALLEL_SPAN_BYTES
     fn = _copy_runs_parallel if parallel else _copy_runs_serial
     fn(src_k, src_v, dst_k, dst_v, k_base, v_base, slot_mapping, starts, lengths, n_runs,
        block_size, block_stride, row_stride)

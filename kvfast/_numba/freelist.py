@@ -13,8 +13,8 @@ import numpy as np
 from numba import njit
 
 __all__ = [
-    "touch_many", "init_list", "pop_front_n", "pop_front_evict", "free_many", "walk", "unlink", "push_front",
-    "push_back", "verify_run", "publish_rows", "warm",
+    "touch_many", "init_list", "pop_front_n", "pop_front_evict", "free_many", "walk", "unlink",
+    "verify_run", "publish_rows", "warm",
 ]
 
 
@@ -45,26 +45,6 @@ def unlink(prev, next_, b):
     prev[n] = p
     prev[b] = -1
     next_[b] = -1
-
-
-@njit(nogil=True, cache=True)
-def push_front(prev, next_, head, b):
-    """Insert ``b`` right after the head sentinel (reused first)."""
-    n = next_[head]
-    next_[head] = b
-    prev[b] = head
-    next_[b] = n
-    prev[n] = b
-
-
-@njit(nogil=True, cache=True)
-def push_back(prev, next_, tail, b):
-    """Insert ``b`` right before the tail sentinel (evicted last)."""
-    p = prev[tail]
-    next_[p] = b
-    prev[b] = p
-    next_[b] = tail
-    prev[tail] = b
 
 
 @njit(nogil=True, cache=True)
