@@ -467,7 +467,7 @@ class _Live:
     """Scheduler state of one request."""
 
     __slots__ = ("index", "req", "ctx", "replica", "generated", "admitted_at", "recorded", "transfer",
-                 "transfer_is_first", "failed_load", "n_out", "committed")
+                 "transfer_is_first", "failed_load", "n_out", "committed", "out")
 
     def __init__(self, index: int, req: Request):
         self.index = index
@@ -482,6 +482,7 @@ class _Live:
         self.transfer_is_first = False
         self.failed_load = False
         self.committed = 0  # pages the attribution has seen committed
+        self.out: list[int] | None = None  # req.output as Python ints, from the first admission on
 
 
 class _Timed:
@@ -768,31 +769,19 @@ class _Loop:
 
     def _schedule_running(self, batches, budget: int) -> int:
         """Schedule running requests oldest first; returns the token budget left."""
+        i = 0
+        if not self.tiers:
+            i, budget = self._schedule_allocs(batches, budget)
         cap = self.config.max_batch_size
         running = self.running
-        timed = self.call
-        alloc = self.mgr.alloc
-        pc = time.perf_counter
-        fast = not self.tiers  # without tiers every alloc returns a completed transfer that cannot fail
-        i = 0
         while i < len(running):
             live = running[i]
             batch = batches[live.replica]
             if budget == 0 or len(batch) >= cap:
                 i += 1
                 continue
-            if fast:
-                t0 = pc()
-                try:
-                    alloc(live.ctx)
-                    ok = True
-                except InsufficientBlocksError:
-                    ok = False
-                timed.seconds += pc() - t0
-                if not ok and not self._alloc_running(live):
-                    continue  # live left the running set; self.running shrank at i
-            elif not self._alloc_running(live):
-                continue
+            if not self._alloc_running(live):
+                continue  # live left the running set; self.running shrank at i
             ctx = live.ctx
             n = ctx.active_length
             if n <= budget:  # a decode, or a prefill that fits: no chunking
@@ -802,6 +791,59 @@ class _Loop:
                 budget = self._take(live, batches, budget)
             i += 1
         return budget
+
+    def _schedule_allocs(self, batches, budget: int) -> tuple[int, int]:
+        """``_schedule_running`` without tiers, where ``alloc`` of a running request returns a
+        completed transfer or raises ``InsufficientBlocksError`` and changes no context.
+
+        The requests the loop would ``alloc`` (those met while the budget lasts and their batch has
+        room) are found first, then allocated in one timed loop, then batched (a chunked prefill
+        is chunked after its ``alloc``, as in the loop). The manager sees the same calls in the same
+        order. Returns where the loop resumes (``len(self.running)`` when every ``alloc`` fitted;
+        else the request whose ``alloc`` raised, for the loop to preempt) and the budget left.
+        """
+        cap = self.config.max_batch_size
+        align = self.align
+        running = self.running
+        # 1. who gets an alloc (the loop below, without changing anything)
+        room = [cap - len(b) for b in batches]
+        todo: list[_Live] = []
+        at: list[int] = []
+        left = budget
+        for i, live in enumerate(running):
+            r = live.replica
+            if left == 0 or room[r] <= 0:
+                continue
+            todo.append(live)
+            at.append(i)
+            n = live.ctx.active_length
+            if n > left:  # _take: chunked to an aligned piece of the budget, if any
+                n = left - left % align if align else left
+                if n == 0:
+                    continue
+            room[r] -= 1
+            left -= n
+        # 2. the allocs, in order
+        alloc = self.mgr.alloc
+        pc = time.perf_counter
+        done = 0
+        t0 = pc()
+        try:
+            for live in todo:
+                alloc(live.ctx)
+                done += 1
+        except InsufficientBlocksError:
+            pass
+        self.call.seconds += pc() - t0
+        # 3. batch those allocated
+        for live in todo[:done]:
+            n = live.ctx.active_length
+            if n <= budget:  # a decode, or a prefill that fits: no chunking
+                batches[live.replica].append(live)
+                budget -= n
+            else:
+                budget = self._take(live, batches, budget)
+        return (at[done] if done < len(todo) else len(running)), budget
 
     def _alloc_running(self, live: _Live) -> bool:
         """``alloc`` a running request, preempting the youngest of its replica until
@@ -861,6 +903,8 @@ class _Loop:
                     self._require_progress(live)
                 break  # first come, first served: the head waits for room
             self.waiting.popleft()
+            if live.out is None:
+                live.out = live.req.output.tolist()
             live.admitted_at = self.admissions
             self.admissions += 1
             if not live.recorded:
@@ -942,6 +986,57 @@ class _Loop:
         return budget - ctx.active_length
 
     def _forward(self, rows: list[_Live]) -> None:
+        """The forward of ``rows``: feed each context its token (or next chunk), ``step`` it, track
+        its commits, ``release`` it when done."""
+        if self.tiers:
+            return self._forward_tiers(rows)
+        # Without tiers nothing is in flight: ``step`` changes no context, so the contexts are fed
+        # (and their commits tracked) first and the manager's calls run in one timed loop, in row
+        # order (a finished row is released right after its step, before the next row's step).
+        lost = self.lost
+        ps = self.config.page_size
+        every = lost.recurrent  # checkpoints are tracked at every page boundary
+        ctxs = []
+        ending: list[_Live] = []
+        for live in rows:
+            ctx = live.ctx
+            ctxs.append(ctx)
+            if ctx.pending_length:
+                # Spec manager §5: step after every forward, a non-final chunk's included.
+                ctx.advance_chunk()
+            else:
+                g = live.generated
+                ctx.update(live.out[g])
+                live.generated = g + 1
+                if g + 1 == live.n_out:
+                    ending.append(live)
+            processed = ctx.processed_length
+            if every or processed // ps > live.committed:
+                live.committed = processed // ps
+                lost.commit(live.index, live.replica, processed)
+        step = self.mgr.step
+        pc = time.perf_counter
+        if not ending:
+            t0 = pc()
+            for ctx in ctxs:
+                step(ctx)
+            self.call.seconds += pc() - t0
+            return
+        release = self.mgr.release
+        last = {id(live.ctx) for live in ending}
+        t0 = pc()
+        for ctx in ctxs:
+            step(ctx)
+            if id(ctx) in last:
+                release(ctx)
+        self.call.seconds += pc() - t0
+        for live in ending:
+            self.running.remove(live)
+            self.done += 1
+            if self.preemptions:
+                lost.finish(live.index)
+
+    def _forward_tiers(self, rows: list[_Live]) -> None:
         timed, lost = self.call, self.lost
         step = self.mgr.step
         pc = time.perf_counter
@@ -952,7 +1047,7 @@ class _Loop:
             ctx = live.ctx
             decoded = not ctx.pending_length
             if decoded:
-                ctx.update(int(live.req.output[live.generated]))
+                ctx.update(live.out[live.generated])
                 live.generated += 1
             else:
                 # Spec manager §5: step after every forward, a non-final chunk's included.
