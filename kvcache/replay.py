@@ -29,6 +29,7 @@ every request is waiting from the start (see ``docs/replay.md``).
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import importlib
 import math
@@ -453,11 +454,29 @@ class ReplayStats:
 
     def as_dict(self) -> dict:
         """A JSON-ready dict: the figures, derived rates, metrics and the series."""
-        d = asdict(self)
+        d = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
         for name in ("hit_tokens", "hit_rate", "device_hit_rate", "external_hit_rate",
                      "ceiling_hit_rate", "bookkeeping_us_mean", "lost_hit_total"):
             d[name] = getattr(self, name)
         return d
+
+
+_SCALARS = frozenset((int, float, str, bool, type(None)))
+
+
+def _plain(v):
+    """``dataclasses.asdict``'s copy of a field, without a deep copy per element of the long
+    per-step series (plain scalars are immutable: they are shared, not copied)."""
+    t = type(v)
+    if t in _SCALARS:
+        return v
+    if t is list:
+        return [x if type(x) in _SCALARS else _plain(x) for x in v]
+    if t is dict:
+        return {_plain(k): _plain(x) for k, x in v.items()}
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return asdict(v)
+    return copy.deepcopy(v)
 
 
 # --------------------------------------------------------------------------- the loop
