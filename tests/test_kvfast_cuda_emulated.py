@@ -31,26 +31,6 @@ import kvref
 from kvspec import KVCacheConfig, KVCacheMode, KVLayerSpec
 
 
-@pytest.fixture
-def emulated(monkeypatch):
-    """The emulated ``cupy`` module, installed for one test."""
-    from kvfast._cuda import _module, emulate
-
-    saved = {k: sys.modules.get(k) for k in ("cupy", "cupy.cuda")}
-    monkeypatch.setenv(emulate.ENV, "1")
-    _module._module.cache_clear()
-    cp = emulate.install()
-    try:
-        yield cp
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                sys.modules.pop(k, None)
-            else:
-                sys.modules[k] = v
-        _module._module.cache_clear()
-
-
 def _is_pinned(cp, arr: np.ndarray) -> bool:
     """Page-locked host memory: the emulator's registry, or the CUDA runtime's pointer attributes."""
     if getattr(cp, "KVFAST_EMULATED", False):

@@ -13,34 +13,12 @@ each test fails every time on such a store. Runs on the emulated device (``KVFAS
 from __future__ import annotations
 
 import hashlib
-import sys
 import threading
 
 import numpy as np
-import pytest
 
 import kvfast  # noqa: F401  (installs the emulation finder)
 import kvref
-
-
-@pytest.fixture
-def emulated(monkeypatch):
-    """The emulated ``cupy`` module, installed for one test."""
-    from kvfast._cuda import _module, emulate
-
-    saved = {k: sys.modules.get(k) for k in ("cupy", "cupy.cuda")}
-    monkeypatch.setenv(emulate.ENV, "1")
-    _module._module.cache_clear()
-    cp = emulate.install()
-    try:
-        yield cp
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                sys.modules.pop(k, None)
-            else:
-                sys.modules[k] = v
-        _module._module.cache_clear()
 
 
 def _store(cp, num_pages=8, seed=0):
