@@ -40,7 +40,7 @@ from kvspec._manager_types import (
 )
 from kvspec.errors import InsufficientBlocksError
 
-from ._manager_engine import CudaManagerEngine, FastManagerEngine, hash_input_is_native
+from ._manager_engine import CudaManagerEngine, FastManagerEngine
 from ._slot_cache import require_cuda
 
 __all__ = ["PagedKVCacheManager"]
@@ -280,7 +280,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         page = self._page
         toks = ctx._tokens[i * page : (i + 1) * page]  # native int32: the verified tokens
         # spec/manager.md §3.1 (spec/hashing.md): the hash input goes through kvspec.hashing.tokens_to_bytes (patchable in tests).
-        if hash_input_is_native():
+        if hashing.native_tokens_are_hash_input():
             hin = toks.tobytes()
         else:
             hin = hashing.tokens_to_bytes(toks)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import sys
 from array import array
 from typing import Sequence
 
@@ -32,19 +31,6 @@ from ._numba import sha as _sha
 from ._numba.lut import fill_lut
 
 __all__ = ["FastManagerEngine", "CudaManagerEngine"]
-
-#: Token ids are stored as native int32: on a little-endian machine their bytes are the hash input.
-_NATIVE_LE = sys.byteorder == "little"
-
-
-def hash_input_is_native() -> bool:
-    """Whether ``kvspec.hashing.tokens_to_bytes`` is the real one, so the int32 tokens are the hash
-    input as they are (the conformance collision hook swaps it, possibly before this module is
-    first imported: compare by name, never by a reference captured at import)."""
-    f = hashing.tokens_to_bytes
-    return (_NATIVE_LE and getattr(f, "__module__", None) == "kvspec.hashing"
-            and getattr(f, "__qualname__", None) == "tokens_to_bytes")
-
 
 def chain(parent: bytes, data, step: int, n: int, hash_algo: str) -> list[bytes]:
     """``n`` chained block hashes over ``data`` (bytes, or int32 tokens read in place;
@@ -82,7 +68,7 @@ class FastManagerEngine(kvref.ReferenceManagerEngine):
         n = len(tokens) // page_size
         if n == 0:
             return []
-        data = tokens if hash_input_is_native() else hashing.tokens_to_bytes(tokens)
+        data = tokens if hashing.native_tokens_are_hash_input() else hashing.tokens_to_bytes(tokens)
         if n == 1 and hash_algo == "sha256":  # a decode step's block: hashlib beats a kernel call
             return [hashlib.sha256(parent + (data.tobytes() if isinstance(data, np.ndarray) else data)).digest()]
         return chain(parent, data, 4 * page_size, n, hash_algo)

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import sys
 from typing import NewType, Sequence
 
 import numpy as np
 
 __all__ = [
-    "collide_hashes",
+    "collide_hashes", "native_tokens_are_hash_input",
     "BlockHash",
     "HASH_ALGOS",
     "ROOT_DOMAIN",
@@ -90,6 +91,17 @@ def tokens_to_bytes(tokens) -> bytes:
             raise ValueError(f"tokens: value out of int32 range [{_INT32_MIN}, {_INT32_MAX}]")
         arr = arr.astype("<i4")
     return arr.tobytes()
+
+
+#: The encoder as defined here; ``collide_hashes`` swaps the module's ``tokens_to_bytes`` name.
+_STANDARD_TOKENS_TO_BYTES = tokens_to_bytes
+
+
+def native_tokens_are_hash_input() -> bool:
+    """Whether int32 token ids in native byte order are the hash input as they are: the standard
+    encoder is in place (no ``collide_hashes`` active) and the machine is little-endian. Lets a
+    backend hash its int32 token arrays in place while staying exact under the collision hook."""
+    return tokens_to_bytes is _STANDARD_TOKENS_TO_BYTES and sys.byteorder == "little"
 
 
 def _hasher(hash_algo: str):
