@@ -8,10 +8,9 @@ import pytest
 
 from kvcache import gpu_check
 from kvcache.cli import main as cli_main
-from test_kvfast_cuda_emulated import emulated  # noqa: F401  (fixture)
 
 
-def test_gpu_check_runs_end_to_end_on_the_emulated_device(emulated, tmp_path, capsys):  # noqa: F811
+def test_gpu_check_runs_end_to_end_on_the_emulated_device(emulated, tmp_path, capsys):
     docs = tmp_path / "performance.md"
     docs.write_text(f"# Performance\n\n## GPU\n\n{gpu_check.BEGIN}\nold\n{gpu_check.END}\n\n## Reproduce\n")
     out = tmp_path / "gpu.json"

@@ -3,7 +3,7 @@
 torch is an optional extra (``pip install "kvcache[torch]"``), not part of the
 ``test`` extra CI installs (a CPU wheel is ~200 MB): the tests that need it
 skip with that reason. The emulated-device variants run where torch is
-installed, through the same fixture as ``test_kvfast_cuda_emulated.py``.
+installed, through the ``emulated`` fixture of ``tests/conftest.py``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from kvspec._interop import host_array
 
 torch = pytest.importorskip("torch", reason="torch is an optional extra (kvcache[torch]); CI does not install it")
 
-from test_kvfast_cuda_emulated import emulated  # noqa: E402,F401,F811  (fixture)
 
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "int32": np.int32,
           "int64": np.int64, "uint32": np.uint32}
@@ -102,7 +101,7 @@ def test_ops_accept_torch_tensors(cache_dtype, tdtype):
 
 @pytest.mark.parametrize("tdtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("cache_dtype", ["float16", "bfloat16"])
-def test_ops_accept_torch_tensors_on_emulated_cuda(emulated, cache_dtype, tdtype):  # noqa: F811
+def test_ops_accept_torch_tensors_on_emulated_cuda(emulated, cache_dtype, tdtype):
     tt = getattr(torch, tdtype)
     npt = DTYPES[tdtype]
     want = _run_ops(kvref, cache_dtype, "cpu",
@@ -112,7 +111,7 @@ def test_ops_accept_torch_tensors_on_emulated_cuda(emulated, cache_dtype, tdtype
     np.testing.assert_allclose(got[1], want[1], rtol=2e-5, atol=2e-6)
 
 
-def test_to_torch_of_emulated_device_storage(emulated):  # noqa: F811
+def test_to_torch_of_emulated_device_storage(emulated):
     cp = emulated
     words = cp.asarray(np.array([0x3FC0, 0xC000], np.uint16))  # bfloat16 1.5, -2.0 as CuPy stores them
     t = io.to_torch(words, dtype="bfloat16")
@@ -122,7 +121,7 @@ def test_to_torch_of_emulated_device_storage(emulated):  # noqa: F811
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_fill_accepts_torch_bfloat16(emulated, device):  # noqa: F811
+def test_fill_accepts_torch_bfloat16(emulated, device):
     for mod in (kvref, kvfast) if device == "cpu" else (kvfast,):
         cfg = KVCacheConfig(num_layers=1, max_seqs=2, max_seq_len=8, mode=KVCacheMode.PAGED, block_size=4,
                             dtype="bfloat16", device=device)
