@@ -48,7 +48,9 @@ class ManagerAdapter:
     def __init__(self, block_size: int, num_blocks: int):
         params = KVCacheParams(page_size=block_size, num_layers=1, kv_heads=1, head_dim=1, hash_algo=self.hash_algo)
         # +1: the manager's block 0 is the null page, as vLLM's num_blocks=8193.
-        self.m = self.manager_cls(params, num_blocks=num_blocks + 1, max_batch_size=64, max_seq_len=1 << 16)
+        # max_seq_len: at most what the pool holds (spec/manager.md §1.6 refuses more)
+        self.m = self.manager_cls(params, num_blocks=num_blocks + 1, max_batch_size=64,
+                                  max_seq_len=min(1 << 16, num_blocks * block_size))
         # The one-call phases go straight to the manager's bound methods (no adapter frame).
         self.decode_alloc = self.m.alloc
         self.free = self.m.release

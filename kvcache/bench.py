@@ -308,18 +308,25 @@ def config_workload(num_requests: int, seed: int = 7):
 CHUNK = 256
 
 
-def scheduler_loop(manager_cls, config: str, prompts, gen, *, wave: int = 16, num_blocks: int = 1200) -> dict:
+def scheduler_loop(manager_cls, config: str, prompts, gen, *, wave: int = 16, num_blocks: int = 1200,
+                   retention: Callable[[int], dict] | None = None) -> dict:
     """Drive ``manager_cls`` the way a scheduler does (issue 12): per wave, ``claim`` + ``alloc``
     (prefix hit), then forwards until every request sampled its tokens: ``alloc`` +
     ``runtime_inputs`` + the forward (prefill in chunks ending at multiples of ``CHUNK`` tokens when
     ``chunk_alignment_tokens`` asks, so recurrent checkpoints publish; then one sampled token) +
     ``step``; finally ``release``. Returns the CPU seconds of this thread spent in manager calls
     (``time.thread_time``: the bookkeeping itself, not the tiers' worker threads, and not time
-    lost to other processes on a loaded machine), hit tokens and peak blocks."""
+    lost to other processes on a loaded machine), hit tokens and peak blocks.
+
+    ``num_blocks`` is the room **per leaf**: several leaves share one slab of huge blocks
+    (spec/manager.md §13), so the manager gets ``num_blocks * len(leaves)`` of them and each leaf
+    the room of the one-full-leaf row. ``retention(i)``: the ``retention_priority`` /
+    ``retention_seconds`` keywords of request ``i``'s context (spec/manager.md §14)."""
     from kvspec import TextContext
 
     params = manager_params(config)
     dp = params.data_parallel_degree
+    num_blocks *= len(params.leaves())
     gc.collect()
     m = manager_cls(params, num_blocks=num_blocks, max_batch_size=wave, max_seq_len=4096)
     gc.collect()
@@ -331,7 +338,7 @@ def scheduler_loop(manager_cls, config: str, prompts, gen, *, wave: int = 16, nu
     try:
         for w0 in range(0, len(prompts), wave):
             ids = list(range(w0, min(w0 + wave, len(prompts))))
-            ctxs = [TextContext(str(i), prompts[i]) for i in ids]
+            ctxs = [TextContext(str(i), prompts[i], **(retention(i) if retention else {})) for i in ids]
             t0 = perf()
             for i, ctx in zip(ids, ctxs):
                 m.claim(ctx, i % dp)
@@ -370,6 +377,7 @@ def scheduler_loop(manager_cls, config: str, prompts, gen, *, wave: int = 16, nu
                 for j in live:
                     m.step(ctxs[j])
                 busy += perf() - t0
+            _settle_offloads(m, dp)  # untimed: the peak counts the requests' pages, not copies in flight
             peak = max(peak, max(m.block_count(r).used for r in range(dp)))
             t0 = perf()
             for ctx in ctxs:
@@ -379,6 +387,18 @@ def scheduler_loop(manager_cls, config: str, prompts, gen, *, wave: int = 16, nu
         gc.unfreeze()
         m.shutdown()
     return {"seconds": busy, "hit_tokens": hits, "peak_blocks": peak}
+
+
+def _settle_offloads(m, dp: int, timeout: float = 60.0) -> None:
+    """Poll until no page of any replica is pinned by a transfer (offload sources of released
+    requests count as used until their copy completes, spec/manager.md §7.4): the peak is then
+    the same whatever the tiers' worker threads managed meanwhile, in both packages."""
+    deadline = time.monotonic() + timeout
+    while any(m.pending_transfers_exist(r) for r in range(dp)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"scheduler_loop: transfers still pending after {timeout} s")
+        time.sleep(0.0005)
+        m.poll_transfers()
 
 
 def _configs_case(num_requests: int, repeat: int) -> list[dict]:
@@ -416,6 +436,41 @@ def _configs_case(num_requests: int, repeat: int) -> list[dict]:
     return out
 
 
+def _retention_rule(i: int) -> dict:
+    """Mixed claims: even requests priority 80 for 30 s, every third one priority 10."""
+    if i % 2 == 0:
+        return {"retention_priority": 80, "retention_seconds": 30.0}
+    return {"retention_priority": 10} if i % 3 == 0 else {}
+
+
+def _retention_case(num_requests: int, repeat: int) -> dict:
+    """kvfast's scheduler loop with mixed retention claims vs none, timed interleaved, on a pool
+    that evicts (spec/manager.md §14.8: retention within 10 % of plain LRU per request)."""
+    import kvfast
+
+    prompts, gen = config_workload(num_requests)
+    cls, cfg, nb = kvfast.PagedKVCacheManager, "one full leaf", 1200
+    scheduler_loop(cls, cfg, prompts[:16], gen[:16], num_blocks=nb, retention=_retention_rule)  # kernels
+    best = {"off": float("inf"), "on": float("inf")}
+    res = {}
+    for r in range(repeat):
+        for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
+            res[name] = scheduler_loop(cls, cfg, prompts, gen, num_blocks=nb,
+                                       retention=_retention_rule if name == "on" else None)
+            best[name] = min(best[name], res[name]["seconds"])
+    on_us, off_us = (best[k] / num_requests * 1e6 for k in ("on", "off"))
+    return {
+        "name": "manager retention",
+        "metric": "LRU time / retention time",
+        "ratio": best["off"] / best["on"],
+        "target": 1 / 1.1,
+        "detail": (f"kvfast {on_us:.0f} us/req with mixed priorities and TTLs, {off_us:.0f} us/req without "
+                   f"(pool {nb} pages, evicting); hits {res['on']['hit_tokens']} vs {res['off']['hit_tokens']}"),
+        "on_us_per_request": on_us,
+        "off_us_per_request": off_us,
+    }
+
+
 # --------------------------------------------------------------------------- table
 
 
@@ -430,7 +485,8 @@ def run_bench(*, quick: bool = False, replay_requests: int = 128, only: Sequence
         Requests of the peer workload replayed through both managers
         (kvref needs ~50 ms per request; 0 means all 2000).
     only : sequence of str, optional
-        Subset of ``{"append", "prepare", "replay", "configs"}`` (``configs``: one manager row
+        Subset of ``{"append", "prepare", "replay", "configs", "retention"}`` (``retention``:
+        kvfast with and without retention claims, interleaved; ``configs``: one manager row
         per configuration of :data:`MANAGER_CONFIGS`, the scheduler loop of issue 12).
 
     Returns
@@ -438,7 +494,7 @@ def run_bench(*, quick: bool = False, replay_requests: int = 128, only: Sequence
     list of dict
         One per row: ``name``, ``metric``, ``ratio``, ``target``, ``met``, ``detail``.
     """
-    only = set(only or ("append", "prepare", "replay", "configs"))
+    only = set(only or ("append", "prepare", "replay", "configs", "retention"))
     rep = 3 if quick else 15
     rows = []
     if "append" in only:
@@ -451,6 +507,8 @@ def run_bench(*, quick: bool = False, replay_requests: int = 128, only: Sequence
         rows.append(_replay_case(min(replay_requests, 64) if quick else replay_requests, 1 if quick else 3))
     if "configs" in only:
         rows += _configs_case(32 if quick else 64, 1 if quick else 3)
+    if "retention" in only:
+        rows.append(_retention_case(32 if quick else 128, 2 if quick else 5))
     for r in rows:
         r["met"] = r["ratio"] >= r["target"]
     return rows
@@ -472,15 +530,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
     ap.add_argument("--replay-requests", type=int, default=128,
                     help="peer-workload requests replayed through both managers (0 = all 2000)")
-    ap.add_argument("--only", default="", help="comma list of append,prepare,replay,configs")
+    ap.add_argument("--only", default="", help="comma list of append,prepare,replay,configs,retention")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(list(argv) if argv is not None else None)
     if args.replay_requests < 0:
         ap.error(f"--replay-requests={args.replay_requests}, must be >= 0")
     only = [x for x in args.only.split(",") if x] or None
-    bad = set(only or ()) - {"append", "prepare", "replay", "configs"}
+    bad = set(only or ()) - {"append", "prepare", "replay", "configs", "retention"}
     if bad:
-        ap.error(f"--only: unknown {sorted(bad)}, choose from append,prepare,replay,configs")
+        ap.error(f"--only: unknown {sorted(bad)}, choose from append,prepare,replay,configs,retention")
     rows = run_bench(quick=args.quick, replay_requests=args.replay_requests, only=only)
     print_table(rows)
     if args.json:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
+import xxhash
 
 from kvspec._config import check_int
 from kvspec.hashing import block_hashes
@@ -69,7 +70,7 @@ def infinite_cache_ceiling(
     requests: Sequence[Request],
     page_size: int,
     *,
-    hash_algo: str = "xxh3_128",
+    hash_algo: str | None = None,
     hash_seed: int = 0,
 ) -> Ceiling:
     """Prefix hits of an unbounded cache over ``requests`` in order.
@@ -81,9 +82,12 @@ def infinite_cache_ceiling(
     page_size : int
         Tokens per page, >= 1.
     hash_algo, hash_seed
-        The chain of ``kvspec.hashing.block_hashes``. The hits do not depend
-        on them (equal chains are equal tokens), so the fast ``xxh3_128``
-        is the default.
+        With ``hash_algo`` (``"sha256"`` or ``"xxh3_128"``), pages are told
+        apart by the chain of ``kvspec.hashing.block_hashes`` (the manager's
+        own rule). Default (None): by a chain of page ids, page ``i``'s id
+        keyed by page ``i - 1``'s id and the 128-bit xxh3 digest of its
+        tokens, without building the hashes; the same ids up to a 128-bit
+        collision (the tests hold the two equal). The hits depend on neither.
 
     Returns
     -------
@@ -108,13 +112,16 @@ def infinite_cache_ceiling(
     for i, req in enumerate(requests):
         p, o = req.prompt_length, req.output_length
         prompt_tokens += p
-        # Spec §5: pages committed by the end of the request cover its first
+        # spec/manager.md §5: pages committed by the end of the request cover its first
         # P + O - 1 tokens; the pages it may reuse cover at most P - 1.
         committed = (p + o - 1) // page_size
         reusable = (p - 1) // page_size
-        tokens = np.concatenate([req.prompt, req.output])
-        hashes = block_hashes(tokens, page_size, hash_algo, hash_seed=hash_seed, num_blocks=committed)
-        mine = np.fromiter((ids.setdefault(h, len(ids)) for h in hashes), dtype=np.int64, count=len(hashes))
+        if hash_algo is not None:
+            tokens = np.concatenate([req.prompt, req.output])
+            hashes = block_hashes(tokens, page_size, hash_algo, hash_seed=hash_seed, num_blocks=committed)
+            mine = np.fromiter((ids.setdefault(h, len(ids)) for h in hashes), dtype=np.int64, count=len(hashes))
+        else:
+            mine = _page_ids(req, page_size, committed, ids)
         seen.extend(bytes(len(ids) - len(seen)))
         hit = 0
         while hit < reusable and seen[mine[hit]]:
@@ -124,3 +131,23 @@ def infinite_cache_ceiling(
             seen[j] = 1
         page_ids.append(mine)
     return Ceiling(page_size, prompt_tokens, int(per_request.sum()), per_request, page_ids)
+
+
+def _page_ids(req: Request, page_size: int, committed: int, ids: dict) -> np.ndarray:
+    """int64 [committed]: the id of each of the request's first ``committed`` pages, page ``i``'s
+    keyed by ``(id of page i - 1, xxh3_128 of page i's int32 tokens)`` in ``ids`` (new keys get the
+    next id); the digests read the token arrays in place."""
+    digest = xxhash.xxh3_128_intdigest
+    in_prompt = min(committed, req.prompt_length // page_size)
+    data = np.ascontiguousarray(req.prompt[: in_prompt * page_size]).view(np.uint8).data
+    step = 4 * page_size
+    out = np.empty(committed, dtype=np.int64)
+    parent = -1
+    setdefault = ids.setdefault
+    for k in range(in_prompt):
+        parent = out[k] = setdefault((parent, digest(data[k * step : (k + 1) * step])), len(ids))
+    if committed > in_prompt:  # pages that run into the output tokens
+        rest = np.concatenate([req.prompt[in_prompt * page_size :], req.output]).view(np.uint8).data
+        for k in range(committed - in_prompt):
+            parent = out[in_prompt + k] = setdefault((parent, digest(rest[k * step : (k + 1) * step])), len(ids))
+    return out

@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--replicas", default="1", metavar="SIZE", help="data-parallel replicas (default 1)")
     c.add_argument("--real-bytes", action="store_true",
                    help="allocate the K/V buffers and tier storage (default: bookkeeping only)")
+    c.add_argument("--build-inputs", action="store_true",
+                   help="call runtime_inputs before every forward even without a tier (it then changes nothing; "
+                        "default: only when a tier needs it to post offloads)")
     c.add_argument("--backend", choices=("kvfast", "kvref"),
                    help="manager implementation (default kvfast when it has a PagedKVCacheManager, else kvref)")
     c.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
@@ -131,6 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch-tokens", default="2048", metavar="SIZE", help="tokens per step (default 2048)")
     s.add_argument("--max-inflight", metavar="SIZE",
                    help="requests in flight at once (default batch size x replicas)")
+    s.add_argument("--draft-tokens", type=int, default=0, metavar="K",
+                   help="speculative decoding: each decode verifies K drafts and accepts a random number of "
+                        "them (seeded by --seed); the prefix hit rate equals plain decoding's (default 0: off)")
+    s.add_argument("--retention", action="store_true",
+                   help="replay twice, without and with retention claims (the trace's retention_priority / "
+                        "retention_seconds, else priority 80 for requests that share their first 512 tokens "
+                        "with another request), and show both hit rates")
     x = r.add_argument_group("sweeps")
     x.add_argument("--workers", type=int, metavar="N",
                    help="worker processes of a sweep (default: one per value, at most the CPU count)")
@@ -390,7 +400,8 @@ def _cmd_replay(args) -> int:
         print(model_table())
         return 0
     for name, low, high in (("num_requests", 1, _MAX_REQUESTS), ("seed", 0, _MAX_SEED), ("num_layers", 1, 2**16),
-                            ("kv_heads", 1, 2**16), ("head_dim", 1, 2**16), ("workers", 1, 1024)):
+                            ("kv_heads", 1, 2**16), ("head_dim", 1, 2**16), ("workers", 1, 1024),
+                            ("draft_tokens", 0, 64)):
         value = getattr(args, name)
         if value is not None and value < low:
             raise UsageError(f"{_flag(name)}={value}, must be >= {low}")
@@ -414,6 +425,8 @@ def _cmd_replay(args) -> int:
         _check_remote(args.remote)
     if not re.fullmatch(r"cpu|cuda(:\d{1,4})?", args.device):
         raise UsageError(f"--device={_cut(args.device)}, must be cpu, cuda or cuda:N")
+    if args.retention and swept:
+        raise UsageError(f"--retention and the sweep of {_flag(swept[0])} exclude each other; replay one size")
     if args.cluster is not None and not swept:
         raise UsageError(f"--cluster={args.cluster} needs a sweep (a size option given as a comma list)")
     if args.json == "-" and args.plot == "-":
@@ -434,7 +447,8 @@ def _cmd_replay(args) -> int:
                 device=args.device, max_batch_size=one["max_batch_size"],
                 max_batch_tokens=one["max_batch_tokens"], max_inflight=one["max_inflight"],
                 num_layers=args.num_layers, kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype,
-                model=args.model, allocate_buffers=args.real_bytes,
+                model=args.model, allocate_buffers=args.real_bytes, build_inputs=args.build_inputs,
+                draft_tokens=args.draft_tokens, draft_seed=args.seed,
             )
         except (ValueError, TypeError) as e:
             raise _config_error(e) from None
@@ -477,6 +491,14 @@ def _cmd_replay(args) -> int:
         print(report.format_sweep(runs, sweep_name), file=out)
         interrupted = len(runs) < len(configs)
     else:
+        lru = None
+        if args.retention:  # spec/manager.md §14: the same workload without claims first (plain LRU)
+            from .workload import with_retention, without_retention
+
+            if status:
+                status("replaying without retention (plain LRU)")
+            lru = replay(without_retention(requests), configs[0], workload=label, status=status)
+            requests = with_retention(requests)
         bar = _progress_bar(len(requests)) if progress else None
         try:
             stats = replay(requests, configs[0], workload=label, progress=bar, status=status)
@@ -485,6 +507,11 @@ def _cmd_replay(args) -> int:
                 bar.close()
         runs = [stats]
         print(report.format_table(stats), file=out)
+        if lru is not None:
+            claimed = sum(1 for r in requests if r.retention)
+            print(f"  {'retention':<24}prefix hit rate {100 * lru.hit_rate:.2f} % plain LRU -> "
+                  f"{100 * stats.hit_rate:.2f} % with retention ({claimed:,} of {len(requests):,} requests "
+                  f"claimed)", file=out)
         interrupted = stats.interrupted
     doc_config = _config_dict(args, configs[0])
     if args.json is not None and runs:

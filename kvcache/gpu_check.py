@@ -168,7 +168,8 @@ def _manager(cp, sz: dict) -> dict:
 
     bs, batch, steps = sz["block_size"], sz["manager_batch"], sz["manager_steps"]
     params = KVCacheParams(page_size=bs, num_layers=sz["layers"], kv_heads=sz["heads"], head_dim=sz["head_dim"])
-    m = kvfast.PagedKVCacheManager(params, num_blocks=sz["pages"], max_batch_size=batch, max_seq_len=4096,
+    m = kvfast.PagedKVCacheManager(params, num_blocks=sz["pages"], max_batch_size=batch,
+                                   max_seq_len=min(4096, (sz["pages"] - 1) * bs),  # spec/manager.md §1.6
                                    device="cuda")
     rng = np.random.default_rng(2)
     ctxs = [TextContext(f"r{i}", rng.integers(0, 32000, size=3 * bs + 1).tolist()) for i in range(batch)]

@@ -17,10 +17,13 @@ preset onto the manager's leaves (``KVCacheParams(leaves=...)``):
   = 576 values per token and layer, shared by every head. It maps exactly onto
   ``kv_heads=1, head_dim=288``: the K and V planes of a page together hold the
   576 values (one page stores ``2 * 288`` values per token and layer);
-* hybrid with recurrent layers (Jamba): the attention layers form the
-  ``"full"`` leaf; every Mamba layer's SSM state (``d_inner x d_state``) and
-  conv state (``d_inner x d_conv``) form one ``"state"`` recurrent leaf page
-  of ``[mamba_layers, d_inner, d_state + d_conv]`` float32 per checkpoint.
+* hybrid with recurrent layers (Jamba, Qwen3-Next): the attention layers form
+  the ``"full"`` leaf; every recurrent layer's state forms one ``"state"``
+  recurrent leaf page per checkpoint: for Jamba's Mamba layers the SSM state
+  (``d_inner x d_state``) and conv state (``d_inner x d_conv``), i.e.
+  ``[mamba_layers, d_inner, d_state + d_conv]`` float32; for Qwen3-Next's
+  Gated DeltaNet layers the delta-rule state (value heads x key dim x value
+  dim) and the conv state, ``[36, 32, 128, 128 + 6]`` bfloat16.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ class ModelPreset:
         The sliding window in tokens (0: none).
     state_shape : tuple of int
         Recurrent state of the non-attention layers, one checkpoint (``()``: none).
+    state_dtype : str
+        dtype of that state (what the serving engines keep it in).
     note : str
         Where the numbers come from and how the architecture maps.
     """
@@ -68,6 +73,7 @@ class ModelPreset:
     sliding_layers: int = 0
     window: int = 0
     state_shape: tuple[int, ...] = ()
+    state_dtype: str = "float32"
     note: str = ""
 
     @property
@@ -87,7 +93,7 @@ class ModelPreset:
         if self.sliding_layers:
             out["swa"] = LeafSpec.sliding_window(self.window)
         if self.state_shape:
-            out["state"] = LeafSpec.recurrent(self.state_shape, "float32")
+            out["state"] = LeafSpec.recurrent(self.state_shape, self.state_dtype)
         return None if len(out) == 1 else out
 
     def layers_per_leaf(self) -> int:
@@ -131,6 +137,13 @@ MODELS: dict[str, ModelPreset] = {m.name: m for m in (
     _M("jamba-v0.1", "ai21labs/Jamba-v0.1", 4, 8, 128, state_shape=(28, 8192, 20),
        note="32 layers, attention every 8th (4 layers, num_key_value_heads 8, head_dim 128); "
             "28 Mamba layers: d_inner 8192 (expand 2 x 4096), d_state 16 + d_conv 4, float32"),
+    _M("qwen3-next-80b-a3b", "Qwen/Qwen3-Next-80B-A3B-Instruct", 12, 2, 256, state_shape=(36, 32, 128, 134),
+       state_dtype="bfloat16",
+       note="48 layers, full_attention_interval 4: 12 gated-attention layers (num_key_value_heads 2, head_dim 256); "
+            "36 Gated DeltaNet layers, each 32 value heads (linear_num_value_heads) x 128 x 128 "
+            "(linear_key_head_dim x linear_value_head_dim) of state plus a conv state of "
+            "2 x 16 x 128 + 32 x 128 = 8192 channels x (linear_conv_kernel_dim 4 - 1) = 32 x 128 x 6: "
+            "32 x 128 x (128 + 6) per layer, bfloat16"),
 )}
 
 
@@ -153,7 +166,7 @@ def model_table() -> str:
     for m in MODELS.values():
         rows.append((m.name, m.kind, str(m.kv_layers), f"{m.kv_heads} x {m.head_dim}",
                      f"{m.window} ({m.sliding_layers} layers)" if m.window else "-",
-                     "x".join(map(str, m.state_shape)) if m.state_shape else "-", m.dtype,
+                     "x".join(map(str, m.state_shape)) + f" {m.state_dtype}" if m.state_shape else "-", m.dtype,
                      f"{m.kv_bytes_per_token() / 1024:g}", m.model_id))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

@@ -14,7 +14,10 @@ running a model (no K/V bytes are computed): each scheduler step
    ``max_inflight`` allows; the head that does not fit waits (first come,
    first served, so a request never sees pages of a request behind it);
    an admission whose ``alloc`` returns an incomplete transfer is cordoned;
-4. builds ``runtime_inputs`` for the batch (this posts queued offloads);
+4. builds ``runtime_inputs`` for the batch when the manager has a connector
+   (it posts queued offloads there); without one the call is a pure function
+   whose tables the replay never reads, so it is made only with
+   ``ReplayConfig(build_inputs=True)`` (same figures);
 5. "runs the forward": a non-final prefill chunk ``advance_chunk()``; every
    other row ``update(token)`` with its next output token, then ``step``;
    a request that has produced all its tokens is ``release``-d.
@@ -33,6 +36,7 @@ import copy
 import dataclasses
 import importlib
 import math
+import operator
 import shutil
 import tempfile
 import time
@@ -134,6 +138,19 @@ class ReplayConfig:
         ``KVCacheParams.model_id``; default the preset's hub id (``""`` without one).
     leaves : tuple of (str, LeafSpec), optional
         The manager's leaves for the hand-typed geometry (``model`` brings its own).
+    draft_tokens : int
+        Speculative decoding: each decode forward verifies ``draft_tokens`` drafts
+        (``KVCacheParams(speculative_method="eagle", num_draft_tokens=...)``) and
+        accepts a uniformly random number of them (``0..draft_tokens``, seeded by
+        ``draft_seed``) plus the bonus token (spec/manager.md §15). 0: plain decoding.
+    draft_seed : int
+        Seed of the acceptance draws.
+    build_inputs : bool
+        Call ``runtime_inputs`` before every forward even when it changes nothing. By default
+        the loop calls it only when the manager has a connector (it then posts the queued
+        offloads, spec/manager.md §9.2); without one it is a pure function whose tables the
+        replay (no forward) never reads. ``True`` builds them every step, as an engine does,
+        and so checks every batch against the manager (same figures, slower).
 
     Raises
     ------
@@ -162,6 +179,9 @@ class ReplayConfig:
     allocate_buffers: bool = False
     model_id: str | None = None
     leaves: tuple | None = None
+    build_inputs: bool = False
+    draft_tokens: int = 0
+    draft_seed: int = 0
 
     def __post_init__(self):
         o = "ReplayConfig"
@@ -179,6 +199,10 @@ class ReplayConfig:
             self.preset()  # ValueError naming the known presets
         if not isinstance(self.allocate_buffers, bool):
             raise TypeError(f"{o}: allocate_buffers={self.allocate_buffers!r}, must be a bool")
+        if not isinstance(self.build_inputs, bool):
+            raise TypeError(f"{o}: build_inputs={self.build_inputs!r}, must be a bool")
+        check_int(o, "draft_tokens", self.draft_tokens, low=0, high=64)
+        check_int(o, "draft_seed", self.draft_seed, low=0, high=2**63 - 1)
         if self.remote_url is not None and not str(self.remote_url).startswith(("redis://", "redis+cluster://")):
             raise ValueError(f"{o}: remote_url={self.remote_url!r}, must start with redis:// or redis+cluster://")
         if self.backend not in ("auto",) + BACKENDS:
@@ -244,6 +268,8 @@ class ReplayConfig:
             disk_offload_dir=(disk_dir or self.disk_dir or "unused") if self.disk_bytes else None,
             allocate_buffers=self.allocate_buffers,
         )
+        if self.draft_tokens:  # spec/manager.md §15: an autoregressive drafter (EAGLE)
+            kw.update(speculative_method="eagle", num_draft_tokens=self.draft_tokens)
         if m is not None:
             if self.model_id is not None:
                 kw["model_id"] = self.model_id
@@ -407,6 +433,15 @@ class ReplayStats:
     capacity_tokens: int = 0
     #: the run was stopped (Ctrl-C): the figures cover the requests admitted so far
     interrupted: bool = False
+    #: ceiling tokens over pages found warm (hit, but committed by no request of the run: a tier
+    #: warm at start); included in ``ceiling_hit_tokens`` (``kvcache.attribution``)
+    warm_ceiling_tokens: int = 0
+    #: per leaf of the manager (several leaves only, else empty): leaf id -> ``kind``
+    #: (``full``, ``sliding_window``, ``recurrent``), ``window`` (tokens, 0 if none),
+    #: ``page_bytes`` (bytes of one page of that leaf) and ``pages_peak`` / ``pages_mean`` (pages the
+    #: requests in flight held, distinct over every replica, per scheduler step); the per-step
+    #: counts are the series ``pages_used:<leaf id>``
+    leaves: dict = field(default_factory=dict)
 
     SERIES_KEYS = (
         "step", "batch_requests", "batch_tokens", "running", "waiting", "cordoned",
@@ -444,7 +479,8 @@ class ReplayStats:
 
     @property
     def lost_hit_total(self) -> int:
-        """Sum of :attr:`lost_hit_tokens`; equals ``ceiling_hit_tokens - hit_tokens`` on a cold start."""
+        """Sum of :attr:`lost_hit_tokens`; equals ``ceiling_hit_tokens - hit_tokens`` (the ceiling
+        raised over pages found warm, ``warm_ceiling_tokens``)."""
         return sum(self.lost_hit_tokens.values())
 
     @property
@@ -486,12 +522,14 @@ class _Live:
     """Scheduler state of one request."""
 
     __slots__ = ("index", "req", "ctx", "replica", "generated", "admitted_at", "recorded", "transfer",
-                 "transfer_is_first", "failed_load", "n_out", "committed", "out")
+                 "transfer_is_first", "failed_load", "n_out", "committed", "out", "decoding", "prompt_length",
+                 "feed")
 
     def __init__(self, index: int, req: Request):
         self.index = index
         self.req = req
-        self.ctx = TextContext(req.request_id, req.prompt, cache_salt=req.cache_salt)
+        self.ctx = TextContext(req.request_id, req.prompt, cache_salt=req.cache_key,
+                               **req.retention)  # spec/manager.md §14: the request's claim, if any
         self.replica = -1
         self.generated = 0
         self.n_out = req.output_length
@@ -502,6 +540,42 @@ class _Live:
         self.failed_load = False
         self.committed = 0  # pages the attribution has seen committed
         self.out: list[int] | None = None  # req.output as Python ints, from the first admission on
+        #: its prompt has been computed and it samples one token per forward (``active_length == 1``,
+        #: ``processed_length == prompt_length + generated - 1``); cleared by a preemption
+        self.decoding = False
+        self.prompt_length = req.prompt_length
+        self.feed = None  # while decoding without tiers: see _Loop._start_decoding
+
+
+_NOTHING_MOVED = (0, 0, 0, 0)
+_DECODING = operator.attrgetter("decoding")
+_CTX = operator.attrgetter("ctx")
+_FEED = operator.attrgetter("feed")
+_MARK = operator.itemgetter(1)
+
+
+class _Running(list):
+    """The running requests (a list); ``dirty`` is set by every change of its members or order
+    (the loop also sets it when a member starts decoding), so the loop recomputes what it caches
+    about the leading decodes only then."""
+
+    __slots__ = ("dirty",)
+
+    def __init__(self):
+        super().__init__()
+        self.dirty = True
+
+    def append(self, live) -> None:
+        self.dirty = True
+        super().append(live)
+
+    def remove(self, live) -> None:
+        self.dirty = True
+        super().remove(live)
+
+    def sort(self, **kw) -> None:
+        self.dirty = True
+        super().sort(**kw)
 
 
 class _Timed:
@@ -591,20 +665,22 @@ def replay(
     ceiling = infinite_cache_ceiling(requests, bs)
     params = config.params()
     leaves = params.leaves()
-    simple = len(leaves) == 1
     tiers = bool(config.host_bytes or config.disk_bytes or config.remote_url)
     lost = LostHits(
         ceiling.page_ids, ceiling.per_request // bs, [r.cache_salt for r in requests], bs,
-        peers_serve=simple and (config.replicas > 1 or tiers),
+        models=[r.model for r in requests],
+        reusable_pages=np.fromiter(((r.prompt_length - 1) // bs for r in requests), dtype=np.int64,
+                                   count=len(requests)),
+        peers_serve=config.replicas > 1 or tiers,  # spec/manager.md §7.3, §9.8: every leaf kind
         recurrent=any(leaf.kind.value == "recurrent" for leaf in leaves.values()),
         evicted=evicted_cause(bool(config.host_bytes), bool(config.disk_bytes), config.remote_url is not None),
     )
     tiers = tiers or connector is not None
-    lost.peers_serve = simple and (config.replicas > 1 or tiers)
+    lost.peers_serve = config.replicas > 1 or tiers
     tmp_dir = tempfile.mkdtemp(prefix="kvcache-disk-") if config.disk_bytes and not config.disk_dir else None
     try:
         if connector is None and config.remote_url is not None:
-            # Spec remote-tier §7: the remote tier sits under the host and disk tiers.
+            # spec/remote-tier.md §7: the remote tier sits under the host and disk tiers.
             from kvref import TieredConnector
 
             connector = TieredConnector(
@@ -634,7 +710,8 @@ def replay(
     stats.update(
         backend=backend,
         workload=workload,
-        ceiling_hit_tokens=int(ceiling.per_request[admitted].sum()),
+        ceiling_hit_tokens=int(ceiling.per_request[admitted].sum()) + lost.warm_ceiling_tokens,
+        warm_ceiling_tokens=lost.warm_ceiling_tokens,
         blocks_per_replica=nblocks,
         h2d_bytes=final.h2d_bytes_copied,
         d2h_bytes=final.d2h_bytes_copied,
@@ -669,8 +746,18 @@ class _Loop:
         self.lost = lost
         self.tiers = tiers
         self.align = int(getattr(mgr, "chunk_alignment_tokens", 0) or 0)
+        # runtime_inputs changes the manager only by posting queued offloads (a connector):
+        # without one the replay (no forward reads the tables) builds them only on request.
+        self.build_inputs = tiers or config.build_inputs
         self.waiting: collections.deque[_Live] = collections.deque(_Live(i, r) for i, r in enumerate(requests))
-        self.running: list[_Live] = []  # admission order, oldest first
+        self.running = _Running()  # admission order, oldest first
+        #: the leading decodes of ``running`` (one replica, no tiers): their count, contexts and
+        #: feeds, rebuilt when ``running`` changes (``running.dirty``); and how many of them lead
+        #: this step's batch (``_schedule_allocs`` -> ``_forward``)
+        self._lead = 0
+        self._lead_ctxs: list = []
+        self._lead_feeds: list = []
+        self._fast_rows = 0
         self.cordoned: list[_Live] = []
         self.done = 0
         self.preemptions = 0
@@ -681,13 +768,21 @@ class _Loop:
         self.hit_tokens = 0
         self.hit_prompt_tokens = 0
         self.series = {k: [] for k in ReplayStats.SERIES_KEYS}
+        self._appends = tuple(self.series[k].append for k in ReplayStats.SERIES_KEYS)
+        #: leaf id -> pages in use per step, for a manager with several leaves (else None)
+        leaves = config.params().leaves()
+        self.leaf_series = {lid: [] for lid in leaves} if len(leaves) > 1 else None
         self._zero_metrics = None
+        # speculative decoding: drafts per forward and the seeded acceptance draws
+        self.drafts = config.draft_tokens
+        self.accept = np.random.default_rng(config.draft_seed) if self.drafts else None
 
     # -- the loop
 
     def run(self) -> dict:
         cfg = self.config
         R = cfg.replicas
+        limit = cfg.inflight_limit()
         t_start = time.perf_counter()
         step = 0
         idle_waits = 0
@@ -699,10 +794,12 @@ class _Loop:
                     self._uncordon()
                 batches: list[list[_Live]] = [[] for _ in range(R)]
                 budget = self._schedule_running(batches, cfg.max_batch_tokens)
-                budget = self._admit(batches, budget)
+                if self.waiting and budget > 0 and len(self.running) + len(self.cordoned) < limit:
+                    budget = self._admit(batches, budget)
                 rows = [live for b in batches for live in b] if R > 1 else batches[0]
                 if rows:
-                    self.call("runtime_inputs", [[live.ctx for live in b] for b in batches])
+                    if self.build_inputs:
+                        self.call("runtime_inputs", [[live.ctx for live in b] for b in batches])
                     tokens = cfg.max_batch_tokens - budget
                     self._forward(rows)
                     idle_waits = 0
@@ -721,6 +818,15 @@ class _Loop:
         bk = np.asarray(s["bookkeeping_us"], dtype=np.float64)
         admitted = np.fromiter(sorted(self.hits), dtype=np.int64, count=len(self.hits))
         reqs = [self.requests[i] for i in admitted] if interrupted else self.requests
+        leaves = {}
+        if self.leaf_series is not None:
+            params = cfg.params()
+            for lid, spec in params.leaves().items():
+                pages = np.asarray(self.leaf_series[lid], dtype=np.int64)
+                s[f"pages_used:{lid}"] = self.leaf_series[lid]
+                leaves[lid] = dict(kind=spec.kind.value, window=int(spec.window), page_bytes=params.page_bytes(lid),
+                                   pages_peak=int(pages.max()) if pages.size else 0,
+                                   pages_mean=float(pages.mean()) if pages.size else 0.0)
         return dict(
             requests=len(reqs),
             prompt_tokens=sum(r.prompt_length for r in reqs),
@@ -740,6 +846,7 @@ class _Loop:
             wall_s=wall,
             series=s,
             interrupted=interrupted,
+            leaves=leaves,
             admitted=admitted,
         )
 
@@ -826,10 +933,25 @@ class _Loop:
         running = self.running
         # 1. who gets an alloc (the loop below, without changing anything)
         room = [cap - len(b) for b in batches]
-        todo: list[_Live] = []
-        at: list[int] = []
         left = budget
-        for i, live in enumerate(running):
+        start = 0
+        end = len(running)
+        if len(batches) == 1 and not self.drafts:
+            # One replica: the leading decodes (oldest first, one token each) take an alloc each
+            # while the budget and the batch have room; the loop below goes on from the first
+            # request still prefilling, unless nothing more fits.
+            if running.dirty:
+                self._find_lead()
+            lead = self._lead
+            start = min(lead, room[0], left)
+            room[0] -= start
+            left -= start
+            if not left or room[0] <= 0:
+                end = start  # the budget or the batch is full: nobody after gets an alloc
+        todo: list[_Live] = running[:start]
+        at: list[int] = []  # where todo[start:] stand in running
+        for i in range(start, end):
+            live = running[i]
             r = live.replica
             if left == 0 or room[r] <= 0:
                 continue
@@ -844,25 +966,46 @@ class _Loop:
             left -= n
         # 2. the allocs, in order
         alloc = self.mgr.alloc
+        ctxs = self._lead_ctxs[:start] if start else []
+        if len(todo) > start:
+            ctxs += map(_CTX, todo[start:])
         pc = time.perf_counter
-        done = 0
+        it = iter(ctxs)
         t0 = pc()
         try:
-            for live in todo:
-                alloc(live.ctx)
-                done += 1
+            collections.deque(map(alloc, it), 0)  # the calls in order, at C speed
+            done = len(ctxs)
         except InsufficientBlocksError:
-            pass
+            done = len(ctxs) - operator.length_hint(it) - 1  # the one that raised was taken from it
         self.call.seconds += pc() - t0
-        # 3. batch those allocated
-        for live in todo[:done]:
+        # 3. batch those allocated (the leading decodes: one token each, no chunking)
+        fast = self._fast_rows = min(start, done)
+        if fast:
+            batches[0].extend(todo[:fast])
+            budget -= fast
+        for live in todo[fast:done]:
             n = live.ctx.active_length
             if n <= budget:  # a decode, or a prefill that fits: no chunking
                 batches[live.replica].append(live)
                 budget -= n
             else:
                 budget = self._take(live, batches, budget)
-        return (at[done] if done < len(todo) else len(running)), budget
+        if done == len(todo):
+            return len(running), budget
+        return (done if done < start else at[done - start]), budget
+
+    def _find_lead(self) -> None:
+        """Count the leading decodes of ``running`` and list their contexts and feeds."""
+        running = self.running
+        flags = list(map(_DECODING, running))
+        try:
+            lead = flags.index(False)
+        except ValueError:
+            lead = len(flags)
+        self._lead = lead
+        self._lead_ctxs = list(map(_CTX, running[:lead]))
+        self._lead_feeds = list(map(_FEED, running[:lead]))
+        running.dirty = False
 
     def _alloc_running(self, live: _Live) -> bool:
         """``alloc`` a running request, preempting the youngest of its replica until
@@ -896,6 +1039,10 @@ class _Loop:
         # Spec (manager-semantics §9): preemption = release + ctx.reset() + front of the queue.
         self.lost.preempt(live.index, live.ctx.processed_length)
         live.committed = 0
+        if live.feed is not None:  # the feed ran ahead of live.generated
+            live.generated = len(live.ctx) - live.prompt_length
+            live.feed = None
+        live.decoding = False
         self.call("release", live.ctx)
         live.ctx.reset()
         self.running.remove(live)
@@ -1007,21 +1154,33 @@ class _Loop:
     def _forward(self, rows: list[_Live]) -> None:
         """The forward of ``rows``: feed each context its token (or next chunk), ``step`` it, track
         its commits, ``release`` it when done."""
-        if self.tiers:
-            return self._forward_tiers(rows)
+        if self.tiers or self.drafts:
+            return self._forward_tiers(rows)  # one row at a time (a speculative decode appends several tokens)
         # Without tiers nothing is in flight: ``step`` changes no context, so the contexts are fed
         # (and their commits tracked) first and the manager's calls run in one timed loop, in row
         # order (a finished row is released right after its step, before the next row's step).
         lost = self.lost
+        commit = lost.commit
         ps = self.config.page_size
         every = lost.recurrent  # checkpoints are tracked at every page boundary
-        ctxs = []
+        # The leading decodes (most rows, found by _schedule_allocs): each feed is a C-level
+        # iterator that calls ctx.update(next output token) and yields the row when it needs a look
+        # (a page filled, or its last token): see _start_decoding.
+        lead = self._fast_rows
+        self._fast_rows = 0
+        ctxs = self._lead_ctxs[:lead] if lead else []
+        if len(rows) > lead:
+            ctxs += map(_CTX, rows[lead:])
+        marked = list(filter(None, map(_MARK, map(next, self._lead_feeds[:lead])))) if lead else []
         ending: list[_Live] = []
-        for live in rows:
+        for live in rows[lead:]:
+            if live.decoding:
+                if next(live.feed)[1] is not None:
+                    marked.append(live)
+                continue
             ctx = live.ctx
-            ctxs.append(ctx)
             if ctx.pending_length:
-                # Spec manager §5: step after every forward, a non-final chunk's included.
+                # spec/manager.md §5: step after every forward, a non-final chunk's included.
                 ctx.advance_chunk()
             else:
                 g = live.generated
@@ -1029,16 +1188,27 @@ class _Loop:
                 live.generated = g + 1
                 if g + 1 == live.n_out:
                     ending.append(live)
+                else:
+                    self._start_decoding(live)
             processed = ctx.processed_length
             if every or processed // ps > live.committed:
                 live.committed = processed // ps
-                lost.commit(live.index, live.replica, processed)
+                commit(live.index, live.replica, processed)
+        for live in marked:  # a decode that filled a page, or fed its last token
+            ctx = live.ctx
+            processed = ctx.processed_length
+            if every or processed // ps > live.committed:
+                live.committed = processed // ps
+                commit(live.index, live.replica, processed)
+            if len(ctx) - live.prompt_length == live.n_out:
+                live.generated = live.n_out
+                live.feed = None
+                ending.append(live)
         step = self.mgr.step
         pc = time.perf_counter
         if not ending:
             t0 = pc()
-            for ctx in ctxs:
-                step(ctx)
+            collections.deque(map(step, ctxs), 0)
             self.call.seconds += pc() - t0
             return
         release = self.mgr.release
@@ -1055,6 +1225,25 @@ class _Loop:
             if self.preemptions:
                 lost.finish(live.index)
 
+    def _start_decoding(self, live: _Live) -> None:
+        """``live`` fed its first output token (its prompt is computed) and has more to generate:
+        from now on it decodes one token per forward. Its ``feed`` calls ``ctx.update`` with each
+        next output token and yields, beside ``None``, the row itself where the attribution needs
+        it: a decode that fills a page (``processed_length`` a multiple of the page size) and the
+        last token. ``live.generated`` is brought up to date from the context when it is needed
+        (the last token, a preemption)."""
+        live.decoding = True
+        self.running.dirty = True
+        g = live.generated  # tokens fed so far; the feed starts at out[g]
+        n = live.n_out - g
+        marks: list = [None] * n
+        ps = self.config.page_size
+        # After out[k] is fed, processed_length = prompt_length + k.
+        first = (-(live.prompt_length + g)) % ps
+        marks[first::ps] = [live] * len(range(first, n, ps))
+        marks[-1] = live
+        live.feed = zip(map(live.ctx.update, live.out[g:]), marks)
+
     def _forward_tiers(self, rows: list[_Live]) -> None:
         timed, lost = self.call, self.lost
         step = self.mgr.step
@@ -1066,10 +1255,16 @@ class _Loop:
             ctx = live.ctx
             decoded = not ctx.pending_length
             if decoded:
-                ctx.update(live.out[live.generated])
-                live.generated += 1
+                # a verifying forward (after the prefill's) appends its accepted drafts, then the bonus token
+                n = 1 + (int(self.accept.integers(0, self.drafts + 1)) if self.drafts and live.decoding else 0)
+                for t in live.out[live.generated : min(live.generated + n, live.n_out)]:
+                    ctx.update(t)
+                    live.generated += 1
+                if self.drafts:
+                    ctx.spec_decoding_state.draft_tokens_to_verify = [0] * self.drafts
+                live.decoding = True
             else:
-                # Spec manager §5: step after every forward, a non-final chunk's included.
+                # spec/manager.md §5: step after every forward, a non-final chunk's included.
                 ctx.advance_chunk()
             t0 = pc()
             step(ctx)
@@ -1105,27 +1300,49 @@ class _Loop:
         return idle_waits + 1
 
     def _record(self, step: int, rows: int, tokens: int) -> None:
-        s = self.series
         mgr = self.mgr
         if self.tiers:
             m = mgr.get_metrics_aggregated()
             moved = (m.h2d_bytes_copied, m.d2h_bytes_copied, m.disk_bytes_written, m.disk_bytes_read)
         else:
-            moved = (0, 0, 0, 0)
+            moved = _NOTHING_MOVED
         R = self.config.replicas
         used = mgr.block_count(0).used if R == 1 else sum(mgr.block_count(r).used for r in range(R))
         prompt_done, hit = self.hit_prompt_tokens, self.hit_tokens
-        s["step"].append(step)
-        s["batch_requests"].append(rows)
-        s["batch_tokens"].append(tokens)
-        s["running"].append(len(self.running))
-        s["waiting"].append(len(self.waiting))
-        s["cordoned"].append(len(self.cordoned))
-        s["blocks_used"].append(used)
-        s["hit_rate"].append(hit / prompt_done if prompt_done else 0.0)
-        s["preemptions"].append(self.preemptions)
-        s["h2d_bytes"].append(moved[0])
-        s["d2h_bytes"].append(moved[1])
-        s["disk_bytes_written"].append(moved[2])
-        s["disk_bytes_read"].append(moved[3])
-        s["bookkeeping_us"].append(1e6 * self.call.seconds)
+        (step_, batch_requests, batch_tokens, running, waiting, cordoned, blocks_used, hit_rate, preemptions,
+         h2d, d2h, written, read, bookkeeping) = self._appends
+        step_(step)
+        batch_requests(rows)
+        batch_tokens(tokens)
+        running(len(self.running))
+        waiting(len(self.waiting))
+        cordoned(len(self.cordoned))
+        blocks_used(used)
+        hit_rate(hit / prompt_done if prompt_done else 0.0)
+        preemptions(self.preemptions)
+        h2d(moved[0])
+        d2h(moved[1])
+        written(moved[2])
+        read(moved[3])
+        bookkeeping(1e6 * self.call.seconds)
+        if self.leaf_series is not None:
+            self._record_leaves()
+
+    def _record_leaves(self) -> None:
+        """Pages each leaf holds for the requests in flight (distinct, null excluded, over every
+        replica), from ``get_req_blocks_per_leaf``: a page shared by several requests (a prefix
+        hit) counts once."""
+        get = self.mgr.get_req_blocks_per_leaf
+        held: dict = {}
+        for live in self.running + self.cordoned:
+            for lid, row in get(live.ctx).items():
+                key = (live.replica, lid)
+                pages = held.get(key)
+                if pages is None:
+                    held[key] = pages = set()
+                pages.update(row)
+        counts = dict.fromkeys(self.leaf_series, 0)
+        for (_, lid), pages in held.items():
+            counts[lid] += len(pages) - (0 in pages)
+        for lid, series in self.leaf_series.items():
+            series.append(counts[lid])

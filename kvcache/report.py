@@ -103,9 +103,24 @@ def format_table(stats: ReplayStats) -> str:
     if s.attribution_mismatches:
         rows.insert(5, ("attribution", f"{s.attribution_mismatches} request(s) hit more than the cold-start "
                                        f"ladder allows (a warm tier?)"))
+    at = 1 + next(i for i, (k, _) in enumerate(rows) if k == "block use peak / mean")
+    rows[at:at] = _leaf_rows(s.leaves)
     width = max(len(k) for k, _ in rows)
     head = f"kvcache replay: {s.workload}, backend {s.backend}"
     return "\n".join([head] + [f"  {k:<{width}}  {v}" for k, v in rows])
+
+
+def _leaf_rows(leaves: dict) -> list[tuple[str, str]]:
+    """One table row per leaf of a hybrid model: its kind, bytes per page and pages in use."""
+    rows = []
+    for lid, leaf in leaves.items():
+        kind = leaf["kind"] + (f" {leaf['window']}" if leaf["window"] else "")
+        size = leaf["page_bytes"]
+        rows.append((f"leaf {lid}", f"{kind}, {format_bytes(size)} per page; pages in use peak "
+                                    f"{leaf['pages_peak']:,} / mean {leaf['pages_mean']:,.1f}  "
+                                    f"({format_bytes(leaf['pages_peak'] * size)} / "
+                                    f"{format_bytes(int(leaf['pages_mean'] * size))})"))
+    return rows
 
 
 def _value_text(name: str, value) -> str:

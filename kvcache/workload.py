@@ -20,10 +20,12 @@ Two sources:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -35,6 +37,8 @@ __all__ = [
     "MOONCAKE_BLOCK_TOKENS",
     "synthetic_workload",
     "read_mooncake_trace",
+    "with_retention",
+    "without_retention",
 ]
 
 #: Tokens per Mooncake ``hash_ids`` block.
@@ -76,6 +80,14 @@ class Request:
     cache_salt : str, optional
         The request's ``TextContext.cache_salt``: requests with different
         salts never share pages (tenant isolation).
+    retention_priority, retention_seconds : optional
+        The request's retention claim (``TextContext``'s keywords,
+        spec/manager.md §14); None: none (the defaults, 35 and no expiry).
+    model : str, optional
+        The model (or LoRA adapter) serving the request, when several share
+        one pool: requests for different models never share pages (the
+        replay keys the request's hash root by model and salt, as vLLM keys
+        blocks by adapter); None: the pool's one model.
     """
 
     request_id: str
@@ -83,6 +95,29 @@ class Request:
     output: np.ndarray
     arrival: float
     cache_salt: str | None = None
+    retention_priority: int | None = None
+    retention_seconds: float | None = None
+    model: str | None = None
+
+    @property
+    def cache_key(self) -> str | bytes | None:
+        """The ``TextContext.cache_salt`` the replay gives the request: ``cache_salt`` alone
+        without a ``model``; with one, bytes naming both (``b"model\\0<model>\\0salt\\0<salt>"``),
+        so two models never share a hash root, whatever their salts."""
+        if self.model is None:
+            return self.cache_salt
+        salt = b"\0salt\0" + self.cache_salt.encode("utf-8", "surrogatepass") if self.cache_salt is not None else b""
+        return b"model\0" + self.model.encode("utf-8", "surrogatepass") + salt
+
+    @property
+    def retention(self) -> dict:
+        """The ``TextContext`` keywords of the request's retention claim (empty without one)."""
+        out = {}
+        if self.retention_priority is not None:
+            out["retention_priority"] = self.retention_priority
+        if self.retention_seconds is not None:
+            out["retention_seconds"] = self.retention_seconds
+        return out
 
     @property
     def prompt_length(self) -> int:
@@ -184,7 +219,11 @@ def read_mooncake_trace(path: str | os.PathLike, *, num_requests: int | None = N
     ``input_length`` (int in ``[1, 2**22]``), ``output_length`` (int in
     ``[0, 2**22]``) and ``hash_ids`` (list of int in ``[0, 2**53]``,
     ``len == ceil(input_length / 512)``), and optionally ``cache_salt`` (a
-    string of at most 1024 UTF-8 bytes, or null). The whole trace holds at most
+    string of at most 1024 UTF-8 bytes, or null), ``model`` (the model or
+    adapter serving the request when several share the pool: a non-empty
+    string of at most 1024 UTF-8 bytes without NUL, or null), ``retention_priority`` (an
+    int in ``0..100``, or null) and ``retention_seconds`` (a number > 0, or
+    null): the request's retention claim (spec/manager.md §14). The whole trace holds at most
     ``2**31`` tokens. Requests are ordered by timestamp, file order for ties.
 
     Token mapping (the spec decision, see ``docs/replay.md``): token ``j`` of
@@ -250,7 +289,7 @@ def read_mooncake_trace(path: str | os.PathLike, *, num_requests: int | None = N
     records.sort(key=lambda rec: rec[1]["timestamp"])  # stable: file order for ties
     if num_requests is not None:
         records = records[:num_requests]
-    return [_trace_request(lineno, rec, seed) for lineno, rec in records]
+    return _trace_requests(records, seed)
 
 
 def _parse_trace_line(path, lineno: int, line: str) -> dict:
@@ -289,11 +328,23 @@ def _parse_trace_line(path, lineno: int, line: str) -> dict:
     for i, h in enumerate(ids):
         if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h <= MAX_TRACE_ID:
             raise WorkloadError(f"{where}: hash_ids[{i}]={_short(h)}, must be an int in [0, {MAX_TRACE_ID}]")
+    model = rec.get("model")
+    if model is not None and (not isinstance(model, str) or "\0" in model
+                              or not 1 <= len(model.encode("utf-8", "surrogatepass")) <= MAX_SALT_BYTES):
+        raise WorkloadError(f"{where}: model={_short(model)}, must be a non-empty string of at most "
+                            f"{MAX_SALT_BYTES} UTF-8 bytes without NUL, or null")
     salt = rec.get("cache_salt")
     if salt is not None and (not isinstance(salt, str)
                              or len(salt.encode("utf-8", "surrogatepass")) > MAX_SALT_BYTES):
         raise WorkloadError(f"{where}: cache_salt={_short(salt)}, must be a string of at most "
                             f"{MAX_SALT_BYTES} UTF-8 bytes, or null")
+    prio = rec.get("retention_priority")
+    if prio is not None and (isinstance(prio, bool) or not isinstance(prio, int) or not 0 <= prio <= 100):
+        raise WorkloadError(f"{where}: retention_priority={_short(prio)}, must be an int in 0..100, or null")
+    secs = rec.get("retention_seconds")
+    if secs is not None and (isinstance(secs, bool) or not isinstance(secs, (int, float))
+                             or not math.isfinite(secs) or secs <= 0):
+        raise WorkloadError(f"{where}: retention_seconds={_short(secs)}, must be a number > 0, or null")
     return rec
 
 
@@ -366,7 +417,92 @@ def _mix_tokens():
     return _MIX
 
 
+def _trace_requests(records: list[tuple[int, dict]], seed: int) -> list[Request]:
+    """Every request of a parsed trace, each request's tokens made by one kernel call
+    (:func:`_assemble_kernel`; the mapping of :func:`_trace_request`, which the tests hold equal).
+
+    A request's prompt and output are views of one int32 buffer, prompt then output.
+    """
+    B = MOONCAKE_BLOCK_TOKENS
+    n = len(records)
+    n_in = np.fromiter((rec["input_length"] for _, rec in records), dtype=np.int64, count=n)
+    n_out = np.fromiter((max(rec["output_length"], 1) for _, rec in records), dtype=np.int64, count=n)
+    n_ids = np.fromiter((len(rec["hash_ids"]) for _, rec in records), dtype=np.int64, count=n)
+    tail = n_in - B * (n_ids - 1)  # 1 .. 512 tokens in the last block
+    # Spec (replay): a partial last block is private to the request, a full one keeps its id's tokens.
+    n_shared = np.where(tail == B, n_ids, n_ids - 1)
+    ids = np.fromiter((h for _, rec in records for h in rec["hash_ids"]), dtype=np.uint64, count=int(n_ids.sum()))
+    first_id = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(n_ids, out=first_id[1:])
+    bases = _splitmix64(np.array([seed * 2 + _DOMAIN_BLOCK, seed * 2 + _DOMAIN_PRIVATE], dtype=_U64))
+    fill = _assemble_kernel()
+    mod = _U64(_TRACE_TOKEN_MOD)
+    reqs = []
+    for i, (lineno, rec) in enumerate(records):
+        # One buffer per request (prompt, then output): memory the allocator can recycle, unlike one
+        # buffer for the whole trace (whose first touch costs a page fault per 4 KiB).
+        p, o = int(n_in[i]), int(n_out[i])
+        buf = np.empty(p + o, dtype=np.int32)
+        fill(ids[first_id[i] : first_id[i] + n_shared[i]], np.uint64(lineno), p, o, bases[0], bases[1], mod, buf)
+        reqs.append(Request(f"trace-{lineno:06d}", buf[:p], buf[p:], rec["timestamp"] / 1000.0,
+                            rec.get("cache_salt"), rec.get("retention_priority"), rec.get("retention_seconds"),
+                            rec.get("model")))
+    return reqs
+
+
+_ASSEMBLE = None
+
+
+def _assemble_kernel():
+    """The Numba kernel of :func:`_trace_requests` (compiled on first use, cached on disk).
+
+    Fills one request's ``out`` (``n_in`` prompt tokens, then ``n_out`` output tokens): its shared
+    blocks ``ids`` (token ``j`` of id ``h``: the mix of ``h * 512 + j`` under the block base), its
+    partial tail (private tokens ``0 .. tail - 1``) and its outputs (private tokens
+    ``512 .. 512 + n_out - 1``), private token ``j`` of line ``L`` being the mix of
+    ``L * 2**32 + j`` under the private base (as in :func:`_trace_request`)."""
+    global _ASSEMBLE
+    if _ASSEMBLE is None:
+        import numba
+
+        @numba.njit(cache=True, nogil=True)
+        def assemble(ids, line, n_in, n_out, block_base, private_base, mod, out):  # pragma: no cover - compiled
+            B = 512
+            one = np.uint64(1)
+            c0 = np.uint64(0x9E3779B97F4A7C15)
+            c1 = np.uint64(0xBF58476D1CE4E5B9)
+            c2 = np.uint64(0x94D049BB133111EB)
+            s30, s27, s31 = np.uint64(30), np.uint64(27), np.uint64(31)
+            pos = 0
+            for b in range(ids.size):
+                k = ids[b] * np.uint64(B)
+                for j in range(B):
+                    x = ((k + np.uint64(j)) ^ block_base) + c0
+                    x = (x ^ (x >> s30)) * c1
+                    x = (x ^ (x >> s27)) * c2
+                    x = x ^ (x >> s31)
+                    out[pos] = np.int32(x % mod + one)
+                    pos += 1
+            k = line << np.uint64(32)
+            m = n_in - ids.size * B  # private prompt tokens (the partial tail)
+            for part in range(2):
+                lo = 0 if part == 0 else B
+                hi = m if part == 0 else B + n_out
+                for j in range(lo, hi):
+                    x = ((k + np.uint64(j)) ^ private_base) + c0
+                    x = (x ^ (x >> s30)) * c1
+                    x = (x ^ (x >> s27)) * c2
+                    x = x ^ (x >> s31)
+                    out[pos] = np.int32(x % mod + one)
+                    pos += 1
+
+        _ASSEMBLE = assemble
+    return _ASSEMBLE
+
+
 def _trace_request(lineno: int, rec: dict, seed: int) -> Request:
+    """One request of a trace, the definition of the token mapping (:func:`_trace_requests`
+    makes every request at once, the same tokens)."""
     n_in, ids = rec["input_length"], rec["hash_ids"]
     tail = n_in - MOONCAKE_BLOCK_TOKENS * (len(ids) - 1)  # 1 .. 512 tokens in the last block
     # Spec (replay): a partial last block is private to the request (its id
@@ -380,4 +516,41 @@ def _trace_request(lineno: int, rec: dict, seed: int) -> Request:
     if tail != MOONCAKE_BLOCK_TOKENS:
         prompt = np.concatenate([prompt, private[:tail]])
     output = private[MOONCAKE_BLOCK_TOKENS:]
-    return Request(f"trace-{lineno:06d}", prompt, output, rec["timestamp"] / 1000.0, rec.get("cache_salt"))
+    return Request(f"trace-{lineno:06d}", prompt, output, rec["timestamp"] / 1000.0, rec.get("cache_salt"),
+                   rec.get("retention_priority"), rec.get("retention_seconds"), rec.get("model"))
+
+
+# --------------------------------------------------------------------------- retention
+
+
+def with_retention(requests: Sequence[Request], *, shared_tokens: int = 512, priority: int = 80) -> list[Request]:
+    """The workload with retention claims (``kvcache replay --retention``, spec/manager.md §14).
+
+    A request that carries a claim (from the trace) keeps it. Any other request whose first
+    ``shared_tokens`` prompt tokens (a system prompt) start the prompt of at least one other
+    request gets ``retention_priority=priority``; the rest keep the default (no claim).
+    """
+    if isinstance(shared_tokens, bool) or not isinstance(shared_tokens, int) or shared_tokens < 1:
+        raise ValueError(f"with_retention: shared_tokens={shared_tokens!r}, must be an int >= 1")
+    if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 100:
+        raise ValueError(f"with_retention: priority={priority!r}, must be an int in 0..100")
+    counts: dict[bytes, int] = {}
+    keys = []
+    for r in requests:
+        key = r.prompt[:shared_tokens].tobytes() if r.prompt.size >= shared_tokens else None
+        keys.append(key)
+        if key is not None:
+            counts[key] = counts.get(key, 0) + 1
+    out = []
+    for r, key in zip(requests, keys):
+        if r.retention or key is None or counts[key] < 2:
+            out.append(r)
+        else:
+            out.append(dataclasses.replace(r, retention_priority=priority))
+    return out
+
+
+def without_retention(requests: Sequence[Request]) -> list[Request]:
+    """The workload with every retention claim dropped (plain LRU)."""
+    return [dataclasses.replace(r, retention_priority=None, retention_seconds=None) if r.retention else r
+            for r in requests]

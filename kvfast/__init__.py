@@ -1,4 +1,4 @@
-"""kvfast: the fast path of kvcache (Numba on the CPU, CuPy/Numba-CUDA on a GPU).
+"""kvfast: the fast path of kvcache (Numba on the CPU, CuPy RawKernels on a GPU).
 
 Same public names and observable results as ``kvref`` (DESIGN §7): returned
 values, ``seq_lens``, block tables and block ids, stored K/V bytes, metrics.

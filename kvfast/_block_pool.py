@@ -5,9 +5,9 @@ allocation order and errors) with O(1) work per block and no Python object
 per block on the list:
 
 * the free list is intrusive, two int32 arrays ``prev`` / ``next`` with
-  sentinel ids ``HEAD = num_blocks`` and ``TAIL = num_blocks + 1`` past the
-  last block; batch operations (``allocate``, ``free``) run as Numba kernels
-  (:mod:`kvfast._numba.freelist`);
+  sentinel ids past the last block (``HEAD = num_blocks``, one sentinel per
+  retention level, ``TAIL``); batch operations (``allocate``, ``free``,
+  ``set_retention``) run as Numba kernels (:mod:`kvfast._numba.freelist`);
 * ``ref_count`` is an int32 array;
 * the prefix index is a dict ``hash -> block``; the tokens of every
   published block sit in one int32 table ``[num_blocks, width]`` (no Python
@@ -25,16 +25,27 @@ Allocation order (part of the spec, so block ids agree across backends):
   **tail first**, so a chain's tail is evicted before its head;
 * ``allocate`` pops the front; popping a published block unpublishes it
   (eviction) and reports its hash to the ``on_evict`` listener.
+
+Retention (spec/manager.md §14): a published block may hold a claim
+``(priority, expiry)`` (int8 ``priority``, float64 ``expiry`` arrays); freed,
+it goes to the back of its level (one segment of the chain per priority
+0 .. 100, 35 without a claim); levels are popped lowest first after the
+unpublished front. Expired claims are dropped when freed and, through an
+expiry min-heap, when the eviction front is read. Identical to
+``kvref.BlockPool`` call for call.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections import deque
 from itertools import repeat
 from typing import Callable, Iterable
 
 import numpy as np
 
+from kvspec import retention as _ret
 from kvspec.errors import CapacityError
 
 from ._numba import freelist as _fl
@@ -93,6 +104,9 @@ class BlockPool:
     on_evict : callable(bytes) -> None, optional
         Called with a published block's hash when the block is evicted
         (popped from the free list) or unpublished by ``reset_prefix_cache``.
+    clock : callable() -> float, optional
+        Seconds for retention expiries (``time.monotonic`` by default); read
+        only while some claim has a finite expiry. Assignable (``pool.clock``).
 
     Attributes
     ----------
@@ -104,15 +118,21 @@ class BlockPool:
         Token ids of each published block (read-only views, built on read).
     hash_to_block : dict of bytes to int
         The prefix index.
+    priority : int8 [num_blocks]
+        Retention priority of each published block's claim (-1: none).
+    expiry : float64 [num_blocks]
+        Expiry of each claim on ``clock`` (inf: none).
     """
 
-    def __init__(self, num_blocks: int, on_evict: Callable[[bytes], None] | None = None):
+    def __init__(self, num_blocks: int, on_evict: Callable[[bytes], None] | None = None, *,
+                 clock: Callable[[], float] | None = None):
         if num_blocks < 2:
             raise ValueError(f"BlockPool: num_blocks={num_blocks}, must be >= 2 (block 0 is the null block)")
         self.num_blocks = num_blocks
         self.on_evict = on_evict
+        self.clock = _ret.check_clock("BlockPool", clock)
         self._head = num_blocks
-        self._tail = num_blocks + 1
+        self._tail = _fl.list_size(num_blocks) - 1
         _fl.warm()
         self.reset()
 
@@ -129,10 +149,22 @@ class BlockPool:
         self._tok_len = np.zeros(n, np.int32)
         self.block_tokens = _TokenView(self)
         self._published = np.zeros(n, np.bool_)
-        self._prev = np.empty(n + 2, np.int32)
-        self._next = np.empty(n + 2, np.int32)
+        self._prev = np.empty(_fl.list_size(n), np.int32)
+        self._next = np.empty(_fl.list_size(n), np.int32)
         _fl.init_list(self._prev, self._next, n)
         self._num_free = n - 1
+        self.priority = np.full(n, _ret.NO_CLAIM, np.int8)
+        self.expiry = np.full(n, _ret.NEVER, np.float64)
+        #: every level below this one is empty
+        self._lo = _ret.NUM_LEVELS
+        #: free blocks with a finite expiry: (expiry, seq, int32 blocks), a block live while _heap_seq[block] == seq
+        self._heap: list[tuple[float, int, int]] = []
+        self._heap_seq = np.full(n, -1, np.int64)
+        self._seq = 0
+        #: whether some claim has a finite expiry (else the clock is never read)
+        self._ttl = False
+        #: blocks taken out of circulation by ``revoke`` (a slab leaf's pages in huge blocks it does not hold)
+        self._off = np.zeros(n, np.bool_)
 
     def snapshot(self):
         """An opaque copy of the whole state (for atomic rollback and tests)."""
@@ -140,11 +172,15 @@ class BlockPool:
             self.ref_count.copy(), list(self.block_hash), dict(self.hash_to_block),
             (self._tok.copy(), self._tok_len.copy()), self._published.copy(), self._prev.copy(), self._next.copy(),
             self._num_free,
+            (self.priority.copy(), self.expiry.copy(), self._lo, list(self._heap), self._heap_seq.copy(), self._seq,
+             self._ttl),
         )
 
     def restore(self, snap) -> None:
         """Return to a state taken with ``snapshot``."""
-        rc, bh, idx, tb, pub, prev, nxt, nfree = snap
+        rc, bh, idx, tb, pub, prev, nxt, nfree, ret = snap
+        pr, ex, self._lo, heap, hseq, self._seq, self._ttl = ret
+        self.priority, self.expiry, self._heap, self._heap_seq = pr.copy(), ex.copy(), list(heap), hseq.copy()
         self.ref_count = rc.copy()
         self.block_hash = list(bh)
         self._tok, self._tok_len = tb[0].copy(), tb[1].copy()
@@ -165,7 +201,9 @@ class BlockPool:
         return self.num_blocks - 1
 
     def free_order_array(self) -> np.ndarray:
-        """The free list front to back as int32 ``[num_free]``."""
+        """The free list front to back as int32 ``[num_free]`` (expired claims dropped first)."""
+        if self._heap:
+            self._expire()
         out = np.empty(self._num_free, np.int32)
         _fl.walk(self._next, self._head, self._tail, out)
         return out
@@ -176,7 +214,8 @@ class BlockPool:
 
     def is_free(self, block: int) -> bool:
         """True when ``block`` is on the free list (free, or published with no reference)."""
-        return block != NULL_BLOCK and 0 <= block < self.num_blocks and self.ref_count[block] == 0
+        return (block != NULL_BLOCK and 0 <= block < self.num_blocks and self.ref_count[block] == 0
+                and not self._off[block])
 
     def is_published(self, block: int) -> bool:
         """True when ``block`` is in the prefix index (it has a hash)."""
@@ -185,7 +224,7 @@ class BlockPool:
     def lookup(self, block_hash: bytes, tokens) -> int | None:
         """The published block holding ``block_hash`` **and** exactly ``tokens``, else None.
 
-        Spec §6: a hash is a key, never a proof; the stored tokens must match.
+        spec/hashing.md §4: a hash is a key, never a proof; the stored tokens must match.
         """
         block = self.hash_to_block.get(block_hash)
         if block is None:
@@ -223,9 +262,11 @@ class BlockPool:
         out = np.empty(n, np.int32)
         if n == 0:
             return out
+        if self._heap:
+            self._expire()
         evicted = np.empty(n, np.int32)
-        k = _fl.pop_front_evict(self._prev, self._next, self.ref_count, self._published, self._head, n, out,
-                                evicted)
+        k, self._lo = _fl.pop_front_evict(self._prev, self._next, self.ref_count, self._published, self.priority,
+                                          self.expiry, self._head, self._lo, n, out, evicted)
         self._num_free -= n
         if k:
             ev = evicted[:k].tolist()
@@ -244,17 +285,28 @@ class BlockPool:
         """:meth:`allocate` of one block, returned as an int (no kernel call: a decode step's page)."""
         if self._num_free < 1:
             raise CapacityError(f"BlockPool.allocate: needs 1 blocks, {self._num_free} free or evictable")
+        if self._heap:
+            self._expire()
         nxt, prv, head = self._next, self._prev, self._head
         b = int(nxt[head])
+        if b >= head:  # the front is empty: the first block of the lowest non-empty level
+            lo = self._lo
+            while nxt[head + 1 + lo] >= head:
+                lo += 1
+            self._lo = lo
+            b = int(nxt[head + 1 + lo])
+        p = prv[b]
         nn = nxt[b]
-        nxt[head] = nn
-        prv[nn] = head
+        nxt[p] = nn
+        prv[nn] = p
         prv[b] = -1
         nxt[b] = -1
         self.ref_count[b] = 1
         self._num_free -= 1
         if self._published[b]:  # evict, as allocate does
             self._published[b] = False
+            self.priority[b] = _ret.NO_CLAIM
+            self.expiry[b] = _ret.NEVER
             h = self.block_hash[b]
             del self.hash_to_block[h]
             self.block_hash[b] = None
@@ -274,11 +326,15 @@ class BlockPool:
     def peek(self, n: int, skip=()) -> list[int]:
         """The first ``n`` blocks ``allocate`` would pop once the blocks in ``skip`` left the free
         list (fewer when fewer are free); changes nothing (the manager plans before it commits)."""
+        if self._heap:
+            self._expire()
         out: list[int] = []
-        nxt, tail = self._next, self._tail
-        b = int(nxt[self._head])
+        nxt, tail, head = self._next, self._tail, self._head
+        b = int(nxt[head])
+        if b >= head:  # empty front: start at the lowest level that may hold a block
+            b = head + 1 + min(self._lo, _ret.NUM_LEVELS - 1)
         while len(out) < n and b != tail:
-            if b not in skip:
+            if b < head and b not in skip:
                 out.append(b)
             b = int(nxt[b])
         return out
@@ -299,7 +355,7 @@ class BlockPool:
     def count_free(self, blocks) -> int:
         """How many of ``blocks`` (distinct) are on the free list (ref count 0)."""
         arr = np.asarray(blocks, dtype=np.int64)
-        return int(np.count_nonzero(self.ref_count[arr] == 0)) if arr.size else 0
+        return int(np.count_nonzero((self.ref_count[arr] == 0) & ~self._off[arr])) if arr.size else 0
 
     def touch_many(self, blocks) -> int:
         """:meth:`touch` each of ``blocks`` (distinct, none null) in one call; returns
@@ -333,9 +389,12 @@ class BlockPool:
         arr = np.asarray(blocks if isinstance(blocks, np.ndarray) else list(blocks), dtype=np.int64)
         if arr.size == 0:
             return
-        bad, freed = _fl.free_many(self._prev, self._next, self.ref_count, self._published, self._head,
-                                   self._tail, arr)
+        ttl = self._ttl_out(arr.size)
+        bad, freed, self._lo, k = _fl.free_many(self._prev, self._next, self.ref_count, self._published, self.priority,
+                                                self.expiry, self._head, self._lo, self._now(), arr, ttl)
         self._num_free += freed
+        if k:
+            self._push(ttl[:k])
         if bad >= 0:
             b = int(arr[bad])
             raise AssertionError(f"BlockPool.free: block {b} ref_count={int(self.ref_count[b])}")
@@ -352,12 +411,22 @@ class BlockPool:
             return
         prv, nxt = self._prev, self._next
         if self._published[b]:
-            t = self._tail
+            e = self.expiry[b]
+            if e != _ret.NEVER and e <= self.clock():  # spec/manager.md §14.5: checked when freed
+                self.priority[b] = _ret.NO_CLAIM
+                self.expiry[b] = e = _ret.NEVER
+            pr = int(self.priority[b])
+            level = _ret.DEFAULT_PRIORITY if pr < 0 else pr
+            t = self._head + 2 + level
             p = prv[t]
             nxt[p] = b
             prv[b] = p
             nxt[b] = t
             prv[t] = b
+            if level < self._lo:
+                self._lo = level
+            if e != _ret.NEVER:
+                self._push(np.array([b], np.int32))
         else:
             h = self._head
             n = nxt[h]
@@ -461,7 +530,7 @@ class BlockPool:
         int32 little-endian bytes, or an int32 array ``[n_tokens]`` (no
         copy). Returns the hit blocks in order; the
         run stops at the first hash not in the index **or** whose stored
-        tokens differ (Spec §6), as a loop over ``lookup`` would.
+        tokens differ (spec/hashing.md §4), as a loop over ``lookup`` would.
         """
         n = len(hashes)
         if n == 0:
@@ -476,7 +545,7 @@ class BlockPool:
             blocks += part
         k = len(blocks)
         if k:
-            # Spec §6: verify the stored tokens of the whole run in one kernel call.
+            # spec/hashing.md §4: verify the stored tokens of the whole run in one kernel call.
             toks = _rows(token_bytes, n)[:k]
             w = toks.shape[1]
             if self._tok.shape[1] < w:
@@ -486,6 +555,36 @@ class BlockPool:
                                     toks.astype(np.int32, copy=False))
             del blocks[ok:]
         return blocks
+
+    def grant(self, blocks) -> None:
+        """Put ``blocks`` (revoked, ref count 0, unpublished) back on the free list at the **front**,
+        in the order given (``blocks[0]`` is popped first); spec/manager.md §13.2. O(1) per block."""
+        prv, nxt, head = self._prev, self._next, self._head
+        for b in reversed(list(blocks)):
+            self._off[b] = False
+            n = nxt[head]
+            nxt[head] = b
+            prv[b] = head
+            nxt[b] = n
+            prv[n] = b
+            self._num_free += 1
+
+    def revoke(self, blocks) -> None:
+        """Take free ``blocks`` (ref count 0) out of circulation: off the free list and, if published,
+        out of the prefix index (evicted, reported to ``on_evict``). They stay off until ``grant``."""
+        arr = np.asarray(list(blocks), dtype=np.int64)
+        for b in arr.tolist():
+            self._unlink(b)
+            self._unpublish(b)
+        self._off[arr] = True
+        self._num_free -= len(arr)
+
+    def _unlink(self, b: int) -> None:
+        prv, nxt = self._prev, self._next
+        p, n = prv[b], nxt[b]
+        nxt[p] = n
+        prv[n] = p
+        prv[b] = nxt[b] = -1
 
     def reset_prefix_cache(self) -> list[int]:
         """Unpublish every published block with ref count 0; returns them.
@@ -507,8 +606,109 @@ class BlockPool:
             del self.hash_to_block[h]
         self.block_hash[block] = None
         self._published[block] = False
+        self.priority[block] = _ret.NO_CLAIM
+        self.expiry[block] = _ret.NEVER
         if self.on_evict is not None:
             self.on_evict(h)
+
+    # ------------------------------------------------------------------ retention (spec/manager.md §14)
+
+    def set_retention(self, blocks, priority: int, expiry: float) -> None:
+        """Merge the claim ``(priority, expiry)`` into each **published** block of ``blocks``.
+
+        Parameters
+        ----------
+        blocks : sequence of int
+            Pages (the null block and unpublished pages are skipped).
+        priority : int
+            ``0 .. 100``.
+        expiry : float
+            Absolute time on ``clock`` (``math.inf``: none).
+
+        Notes
+        -----
+        Same rule as ``kvref.BlockPool.set_retention`` (``kvspec.retention.merge``;
+        a free block moves to the back of its new level). ``TypeError`` /
+        ``ValueError`` / ``IndexError`` before any change.
+        """
+        priority = _ret.check_priority("BlockPool.set_retention", priority, "priority")
+        expiry = _check_expiry(expiry)
+        if type(blocks) is list:
+            arr = np.fromiter(blocks, np.int64, len(blocks))
+        else:
+            arr = np.asarray(blocks, dtype=np.int64).reshape(-1)
+        if arr.size == 0:
+            return
+        if int(arr.min()) < 0 or int(arr.max()) >= self.num_blocks:
+            bad = arr[(arr < 0) | (arr >= self.num_blocks)][0]
+            raise IndexError(f"BlockPool.set_retention: block {int(bad)} out of range 0..{self.num_blocks - 1}")
+        if expiry != _ret.NEVER:
+            self._ttl = True
+        ttl = self._ttl_out(arr.size)
+        self._lo, k = _fl.set_retention(self._prev, self._next, self.ref_count, self._published, self.priority,
+                                        self.expiry, self._head, self._lo, arr, priority, expiry, self._now(), ttl)
+        if k:
+            self._push(ttl[:k])
+
+    def retention(self, block: int) -> tuple[int, float]:
+        """The claim of ``block``: ``(priority, expiry)``, ``(-1, inf)`` without one."""
+        return int(self.priority[block]), float(self.expiry[block])
+
+    def _now(self) -> float:
+        """The clock when some claim has a finite expiry, else -inf (nothing can expire; no clock read)."""
+        return float(self.clock()) if self._ttl else -math.inf
+
+    def _ttl_out(self, n: int) -> np.ndarray:
+        return np.empty(n, np.int32) if self._ttl else _EMPTY_I32
+
+    def _push(self, blocks: np.ndarray) -> None:
+        """Enter free ``blocks`` (int32, each with a finite expiry, in the order freed) into the
+        expiry heap: one entry per distinct expiry, ``(expiry, seq, blocks in order)`` (the
+        reference's one entry per block, ties by the order freed, pops in the same order)."""
+        exp = self.expiry[blocks]
+        if exp.size == 1 or (exp == exp[0]).all():
+            groups = [(float(exp[0]), blocks)]
+        else:
+            vals, first = np.unique(exp, return_index=True)
+            groups = [(float(vals[i]), blocks[exp == vals[i]]) for i in np.argsort(first, kind="stable")]
+        for e, group in groups:
+            self._seq += 1
+            self._heap_seq[group] = self._seq
+            heapq.heappush(self._heap, (e, self._seq, group))
+        if len(self._heap) > 2 * self.num_blocks + 64:  # stale entries of revived blocks: amortised O(1)
+            hseq, kept = self._heap_seq, []
+            for e, seq, group in self._heap:
+                live = group[hseq[group] == seq]
+                if live.size:
+                    kept.append((e, seq, live))
+            heapq.heapify(kept)
+            self._heap = kept
+
+    def _expire(self) -> None:
+        """spec/manager.md §14.5: free blocks whose claim expired move, in expiry order, to level 35."""
+        heap = self._heap
+        now = float(self.clock())
+        rc, pub, hseq, exp, prio = self.ref_count, self._published, self._heap_seq, self.expiry, self.priority
+        prv, nxt, head = self._prev, self._next, self._head
+        while heap and heap[0][0] <= now:
+            e, seq, group = heapq.heappop(heap)
+            for b in group.tolist():
+                # live entry: the block is still free, published, holding this claim since this push
+                if hseq[b] != seq or rc[b] != 0 or not pub[b] or exp[b] != e or prv[b] < 0:
+                    continue
+                hseq[b] = -1
+                p, n = prv[b], nxt[b]
+                nxt[p] = n
+                prv[n] = p
+                prio[b] = _ret.NO_CLAIM
+                exp[b] = _ret.NEVER
+                t = head + 2 + _ret.DEFAULT_PRIORITY
+                p = prv[t]
+                nxt[p] = b
+                prv[b] = p
+                nxt[b] = t
+                prv[t] = b
+                self._lo = min(self._lo, _ret.DEFAULT_PRIORITY)
 
     # ------------------------------------------------------------------ invariants
 
@@ -534,13 +734,33 @@ class BlockPool:
         assert self.block_hash[NULL_BLOCK] is None, f"{p}: null block is published"
         neg = np.flatnonzero(rc < 0)
         assert neg.size == 0, f"{p}: block {neg[:1].tolist()} ref_count < 0"
-        bad = np.flatnonzero((rc[1:] == 0) != on_list[1:])
+        off = self._off  # revoked blocks (spec/manager.md §13.2): out of circulation, unreferenced, unpublished
+        assert not (off & (on_list | (rc != 0) | self._published)).any(), f"{p}: a revoked block is in circulation"
+        bad = np.flatnonzero(((rc[1:] == 0) & ~off[1:]) != on_list[1:])
         if bad.size:
             b = int(bad[0]) + 1
             assert False, f"{p}: block {b} ref_count={int(rc[b])} but free={bool(on_list[b])}"
-        # links agree both ways
-        links = np.concatenate(([self._head], order))
-        assert np.array_equal(self._prev[np.concatenate((order, [self._tail]))], links), f"{p}: prev links disagree with next links"
+        # links agree both ways; sentinels in order; every published free block in its claim's level
+        nodes = np.empty(self._prev.size + 1, np.int32)
+        k = _fl.walk_nodes(self._next, self._head, self._tail, nodes)
+        nodes = nodes[:k]
+        assert nodes[-1] == self._tail, f"{p}: the free list does not reach its tail"
+        assert np.array_equal(self._prev[nodes[1:]], nodes[:-1]), f"{p}: prev links disagree with next links"
+        sent = nodes[nodes >= self._head]
+        assert np.array_equal(sent, np.arange(self._head, self._tail + 1)), f"{p}: sentinels out of order"
+        level = np.cumsum(nodes >= self._head) - 2  # -1 on the front, p in level p
+        blk = nodes < self._head
+        lv, bl = level[blk], nodes[blk]
+        pubd = self._published[bl]
+        want = np.where(self.priority[bl] < 0, _ret.DEFAULT_PRIORITY, self.priority[bl])
+        exp_ok = self.expiry[bl] != np.inf
+        # a published block sits in its claim's level, or (its claim expired, not yet noticed) anywhere above
+        bad = pubd & (lv != want) & ~exp_ok
+        assert not bad.any(), f"{p}: block {int(bl[bad][0])} sits in level {int(lv[bad][0])}, its claim says {int(want[bad][0])}"
+        assert not (pubd & (lv < 0)).any(), f"{p}: a published block is on the unpublished front"
+        if lv.size and (lv >= 0).any():
+            assert int(lv[lv >= 0].min()) >= self._lo, f"{p}: a block sits below the level bound {self._lo}"
+        assert not (~self._published & (self.priority >= 0)).any(), f"{p}: an unpublished block holds a claim"
         if table_refs is not None:
             want = np.zeros(n, np.int64)
             for b, c in table_refs.items():
@@ -558,3 +778,16 @@ class BlockPool:
         assert int(pub.sum()) == len(self.hash_to_block), (
             f"{p}: {int(pub.sum())} blocks carry a hash but the index holds {len(self.hash_to_block)}"
         )
+
+
+_EMPTY_I32 = np.empty(0, np.int32)
+
+
+def _check_expiry(expiry) -> float:
+    """An expiry as a float (not NaN); ``TypeError`` / ``ValueError`` otherwise."""
+    if isinstance(expiry, bool) or not isinstance(expiry, (int, float, np.floating, np.integer)):
+        raise TypeError(f"BlockPool.set_retention: expiry={expiry!r}, must be a float (math.inf: none)")
+    e = float(expiry)
+    if math.isnan(e):
+        raise ValueError(f"BlockPool.set_retention: expiry={expiry!r}, must not be NaN")
+    return e

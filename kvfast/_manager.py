@@ -86,12 +86,14 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
     """
 
     def __init__(self, params: KVCacheParams, *, num_blocks: int, max_batch_size: int, max_seq_len: int,
-                 device: str = "cpu", connector=None):
+                 device: str = "cpu", connector=None, clock=None):
         super().__init__(params, num_blocks=num_blocks, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                         device=device, connector=connector)
+                         device=device, connector=connector, clock=clock)
+        # The lanes serve one full leaf, one replica, no connector, no speculative decoding (its
+        # slack and rollback, spec/manager.md §15) and no FP8 scales (spec/manager.md §16): decided here, once.
         self._fast = (
             len(self._leaves) == 1 and self._leaves[0].kind is LeafKind.FULL and self._dp == 1
-            and not self._uses_connector
+            and not self._uses_connector and not params.num_draft_tokens and not params.page_scales_shape
         )
         if params.hash_algo == "sha256":
             self._hash1 = _sha256_digest
@@ -134,7 +136,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         # With self._fast (no connector) nothing is ever loading or offloading, so only the
         # request and its context need checking. The context's slots are read directly
         # (type(ctx) is exactly TextContext): len(ctx), current_position, active_length.
-        if type(ctx) is TextContext and defer_lookup is False and self._fast:
+        if type(ctx) is TextContext and defer_lookup is False and self._fast and ctx._spec_decoding_state is None:
             req = self._requests.get(ctx.request_id)
             if req is not None and req.ctx is ctx and not req.dummy:
                 row = req.rows[self._conn_leaf]
@@ -173,6 +175,8 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             req = self._req(op, ctx)  # raises, or adopts a replacement context (spec/manager.md §2.3)
         if ctx._length > self._max_seq_len:
             self._check_len(op, ctx)  # raises ValueError
+        if ctx._spec_decoding_state is not None:
+            self._check_drafts(op, ctx)  # spec/manager.md §15: no drafts without num_draft_tokens
         if req.dummy:
             return self._size_dummy(req)
         leaf_id = self._conn_leaf
@@ -321,12 +325,12 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             return None
         n = len(batch)
         # spec/manager.md §8 (5); (1)-(2) hold (one replica, one full leaf); queued offloads
-        # exist only with a connector, so there is nothing to post (§9.2).
+        # exist only with a connector, so there is nothing to post (spec/manager.md §9.2).
         if n == 0 or n > self._max_batch_size or self._closed:
             return None
         for c in batch:
-            if type(c) is not TextContext:
-                return None
+            if type(c) is not TextContext or c._spec_decoding_state is not None:
+                return None  # the policy checks (and refuses) drafts, spec/manager.md §15
         # (3): every row claimed (on replica 0, the only one), once, holding the blocks it needs
         ids = [c.request_id for c in batch]
         reqs = list(map(self._requests.get, ids))
@@ -362,7 +366,9 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         row = req.rows[self._conn_leaf]
         if row:
             # spec/manager.md §6: tail first, so a chain's tail is evicted before its head.
-            self._pools[0][self._conn_leaf].free(np.fromiter(reversed(row), np.int64, len(row)))
+            pages = np.fromiter(reversed(row), np.int64, len(row))
+            self._retain(self._pools[0][self._conn_leaf], pages, req.ctx)  # spec/manager.md §14.2
+            self._pools[0][self._conn_leaf].free(pages)
 
     def shutdown(self) -> None:
         """Post queued offloads, wait for every transfer, close the connector (same contract as the

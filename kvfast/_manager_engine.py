@@ -27,6 +27,7 @@ import kvref
 from kvspec import hashing
 
 from ._block_pool import BlockPool
+from ._slab import FastSlabTable
 from ._numba import sha as _sha
 from ._numba.lut import fill_lut
 
@@ -61,6 +62,10 @@ class FastManagerEngine(kvref.ReferenceManagerEngine):
     def block_pool(self, num_blocks: int) -> BlockPool:
         """A :class:`kvfast._block_pool.BlockPool` (same allocation order as the reference)."""
         return BlockPool(num_blocks)
+
+    def slab_table(self, num_huge_blocks: int, num_leaves: int) -> FastSlabTable:
+        """A :class:`kvfast._slab.FastSlabTable` (int32 arrays, intrusive parked list)."""
+        return FastSlabTable(num_huge_blocks, num_leaves)
 
     def chain_hashes(self, parent: bytes, tokens: np.ndarray, page_size: int, hash_algo: str) -> list[bytes]:
         """One kernel call over the int32 tokens in place (or their ``tokens_to_bytes`` when the
@@ -107,11 +112,21 @@ class CudaManagerEngine(FastManagerEngine):
         self.device_id = device_id
         self._cp = cupy()
 
-    def page_buffer(self, shape: tuple[int, ...], dtype):
-        """A zeroed CuPy buffer; CuPy has no bfloat16, so such buffers hold their uint16 bit patterns."""
+    def storage_dtype(self, dtype) -> np.dtype:
+        """CuPy has no bfloat16 or FP8, so such buffers hold their bit patterns (uint16 for
+        bfloat16, uint8 for float8_e4m3fn / float8_e5m2)."""
         dt = np.dtype(dtype)
+        if dt.name == "bfloat16":
+            return np.dtype(np.uint16)
+        if dt.name.startswith("float8"):
+            return np.dtype(np.uint8)
+        return dt
+
+    def page_buffer(self, shape: tuple[int, ...], dtype):
+        """A zeroed CuPy buffer of :meth:`storage_dtype`."""
+        dt = self.storage_dtype(dtype)
         with self._cp.cuda.Device(self.device_id):
-            return self._cp.zeros(shape, dtype=np.uint16 if dt.name == "bfloat16" else dt)
+            return self._cp.zeros(shape, dtype=dt)
 
     def page_store(self, buffer):
         """A ``CudaPageStore``: the tiers' pages staged by ``stage.cu`` through pinned host memory."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import kvref
 from kvspec import KVCacheConfig
 from kvspec._config import parse_device
+from kvspec._dtypes import is_fp8
 from kvspec.engine import SlotEngine
 
 from ._slot_engine import CudaSlotEngine, FastSlotEngine, require_cuda
@@ -66,5 +67,6 @@ class KVCache(kvref.KVCache):
         kind, dev = parse_device("KVCache.make", config.device)
         if kind == "cuda":
             cp = require_cuda("KVCache.make", dev)
-            return CudaSlotEngine(config.max_seqs, dev, cp)  # pragma: no cover - needs a GPU
+            fp8 = config.dtype if is_fp8(config.dtype) else None
+            return CudaSlotEngine(config.max_seqs, dev, cp, fp8_dtype=fp8)  # pragma: no cover - needs a GPU
         return FastSlotEngine(config.max_seqs)

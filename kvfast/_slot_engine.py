@@ -8,11 +8,12 @@ chosen once at ``make`` from ``config.device``:
   construction as Numba kernels (:mod:`kvfast._numba.step`, one call each
   per step, no per-row or per-token Python work), K/V scatter and gather as
   ``memcpy`` kernels over word views (:mod:`kvfast._numba.copy`), write sets
-  kept as the step's arrays;
+  kept as the step's arrays; the FP8 quantising append as the Numba twin of
+  ``append_kv_fp8.cu`` (:mod:`kvfast._numba.fp8`, ``spec/slot-cache.md`` §10);
 * :class:`CudaSlotEngine` (``"cuda:N"``): the same bookkeeping on the host,
   storage and ``StepIndices`` as CuPy arrays (bfloat16 as its uint16 bits),
-  ``append_kv.cu`` / ``gather_kv.cu`` RawKernels, attention from CuPy array
-  operations.
+  ``append_kv.cu`` / ``gather_kv.cu`` RawKernels (FP8: ``append_kv_fp8.cu``,
+  storage as uint8 bit patterns), attention from CuPy array operations.
 
 Both subclass the public ``kvref.ReferenceSlotEngine`` only to inherit the
 float32 attention algorithm on the CPU (the oracle's, so results are equal by
@@ -27,6 +28,7 @@ import numpy as np
 
 from kvref import ReferenceSlotEngine
 from kvspec import LayerKind, StepIndices
+from kvspec._dtypes import FP8_DTYPES, dtype_name, fp8_decode_table
 
 from ._block_pool import BlockPool
 
@@ -45,6 +47,13 @@ def _copy():
     from ._numba import copy
 
     return copy
+
+
+def _fp8():
+    """The CPU quantising append (Numba compiles it on first use)."""
+    from ._numba import fp8
+
+    return fp8
 
 
 def require_cuda(api: str, device_id: int):
@@ -175,9 +184,10 @@ class FastSlotEngine(ReferenceSlotEngine):
         total = self._k.step_blocks_needed(cu_seqlens_q, past_len, slot_ids, nblk, block_size, add)
         return add, int(total)
 
-    def grow_rows(self, pool, slot_ids, add, total: int, table, nblk) -> None:
+    def grow_rows(self, pool, slot_ids, add, total: int, table, nblk) -> np.ndarray:
         blocks = pool.allocate_array(total)
         self._k.grow_rows(slot_ids, add, blocks, table, nblk)
+        return blocks
 
     def release_blocks(self, pool, blocks) -> None:
         pool.free(blocks)
@@ -258,6 +268,31 @@ class FastSlotEngine(ReferenceSlotEngine):
         return out_k, out_v
 
 
+    # ------------------------------------------------------------------ FP8 K/V (spec/slot-cache.md §10)
+
+    def scatter_kv_fp8(self, K, V, Ks, Vs, k, v, slot_mapping, unit: int) -> int:
+        sm = np.asarray(slot_mapping, dtype=np.int64)
+        rows = K.shape[0] * K.shape[1]
+        over = np.flatnonzero(sm >= rows)
+        if over.size:
+            return int(over[0])
+        if sm.shape[0] == 0:
+            return -1
+        name = dtype_name(K.dtype)
+        _fp8().append_fp8(k, v, K, V, Ks, Vs, sm, unit, name, self._fp8_table(name))
+        return -1
+
+    def _fp8_table(self, name: str):
+        """The float32 value of every FP8 bit pattern (on this engine's device), made once."""
+        tables = self.__dict__.setdefault("_fp8_tables", {})
+        if name not in tables:
+            tables[name] = self._device_table(fp8_decode_table(name))
+        return tables[name]
+
+    def _device_table(self, table: np.ndarray):
+        return table
+
+
 class CudaSlotEngine(FastSlotEngine):
     """Storage and ``StepIndices`` on a CUDA device (CuPy); bookkeeping on the host.
 
@@ -269,17 +304,23 @@ class CudaSlotEngine(FastSlotEngine):
         The CUDA device (already checked by :func:`require_cuda`).
     cp : module
         The ``cupy`` module.
+    fp8_dtype : str, optional
+        ``config.dtype`` of an FP8 cache (``"float8_e4m3fn"`` or ``"float8_e5m2"``): the
+        device keeps FP8 storage as uint8 bit patterns, so the engine is told the format.
     """
 
-    def __init__(self, max_seqs: int, device_id: int, cp):  # pragma: no cover - needs a GPU
+    def __init__(self, max_seqs: int, device_id: int, cp, fp8_dtype: str | None = None):  # pragma: no cover
         super().__init__(max_seqs)
+        #: the cache's FP8 dtype name (its storage is uint8 bit patterns on the device), or None
+        self.fp8_dtype = fp8_dtype
         self.device = f"cuda:{device_id}"
         self._dev = device_id
         self._cp = cp
 
     def zeros(self, shape, dtype):  # pragma: no cover - needs a GPU
-        # CuPy has no bfloat16: such storage lives as its uint16 bit patterns on the device.
-        dt = np.dtype(np.uint16) if np.dtype(dtype).name == "bfloat16" else dtype
+        # CuPy has no bfloat16 and no FP8: such storage lives as its bit patterns on the device.
+        name = np.dtype(dtype).name
+        dt = np.dtype(np.uint16) if name == "bfloat16" else np.dtype(np.uint8) if name in FP8_DTYPES else dtype
         with self._cp.cuda.Device(self._dev):
             return self._cp.zeros(shape, dt)
 
@@ -345,6 +386,71 @@ class CudaSlotEngine(FastSlotEngine):
             K[slot, :t] = k
             K[slot, t:] = 0
 
+    # ------------------------------------------------------------------ FP8 K/V (spec/slot-cache.md §10)
+
+    def kv_input_float32(self, api: str, name: str, x):  # pragma: no cover - needs a GPU
+        from ._cuda.convert import to_device_storage
+
+        with self._cp.cuda.Device(self._dev):
+            return to_device_storage(api, name, x, np.dtype(np.float32), "float32")
+
+    def _device_table(self, table: np.ndarray):  # pragma: no cover - needs a GPU
+        with self._cp.cuda.Device(self._dev):
+            return self._cp.asarray(table)
+
+    def first_nonfinite(self, x) -> int:  # pragma: no cover - needs a GPU
+        cp = self._cp
+        with cp.cuda.Device(self._dev):
+            if x.shape[0] == 0:
+                return -1
+            ok = self.to_host(cp.isfinite(x).reshape(x.shape[0], -1).all(axis=1))  # one device sync
+        bad = np.flatnonzero(~ok)
+        return int(bad[0]) if bad.size else -1
+
+    def zero_index_rows(self, buffers, rows) -> None:  # pragma: no cover - needs a GPU
+        cp = self._cp
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.size == 0:
+            return
+        with cp.cuda.Device(self._dev):
+            idx = cp.asarray(rows)
+            for buf in buffers:
+                buf[idx] = 0
+
+    def scatter_kv_fp8(self, K, V, Ks, Vs, k, v, slot_mapping, unit: int) -> int:  # pragma: no cover - needs a GPU
+        from ._cuda.append_kv_fp8 import append_kv_fp8 as launch
+        from ._cuda.convert import rows_contiguous
+
+        cp = self._cp
+        with cp.cuda.Device(self._dev):
+            sm = cp.asarray(slot_mapping, cp.int64)
+            if sm.shape[0] == 0:
+                return -1
+            rows = K.shape[0] * K.shape[1]
+            if int(sm.max()) >= rows:  # one device sync; the kernels must not write past the storage
+                return int(cp.flatnonzero(sm >= rows)[0])
+            bs, block_stride, row_stride = self._geometry(K)
+            launch(rows_contiguous(k), rows_contiguous(v), K, V, Ks, Vs, sm, fp8=self.fp8_dtype, block_size=bs,
+                   block_stride=block_stride, row_stride=row_stride, unit_tokens=unit)
+        return -1
+
+    def gather_kv_fp8(self, K, V, Ks, Vs, slot: int, n: int, block_row, block_size: int, unit: int):  # pragma: no cover
+        cp = self._cp
+        k, v = self.gather_kv(K, V, slot, n, block_row, block_size)
+        upb = -(-K.shape[1] // unit)
+        pos = np.arange(n)
+        if block_row is None:
+            units = slot * upb + pos // unit
+        else:
+            units = self.to_host(block_row).astype(np.int64)[pos // block_size] * upb + (pos % block_size) // unit
+        H = K.shape[2]
+        with cp.cuda.Device(self._dev):
+            lut = self._fp8_table(self.fp8_dtype)
+            u = cp.asarray(units)
+            ks = Ks.reshape(-1, H)[u][:, :, None]
+            vs = Vs.reshape(-1, H)[u][:, :, None]
+            return lut[k.astype(cp.int64)] * ks, lut[v.astype(cp.int64)] * vs
+
     def zero_rows(self, buffers, slot: int) -> None:  # pragma: no cover - needs a GPU
         from ._cuda.state import state_zero_rows
 
@@ -370,8 +476,10 @@ class CudaSlotEngine(FastSlotEngine):
             for buf, row in zip(buffers, saved):
                 state_copy_rows(row[None], buf, np.array([0], np.int64), np.array([slot], np.int64))
 
-    def attend(self, q, K, V, kind, window: int, step: StepIndices, block_size, scale: float):  # pragma: no cover
-        """CuPy version of the reference algorithm (same masks, float32 math)."""
+    def attend(self, q, K, V, kind, window: int, step: StepIndices, block_size, scale: float,
+               kv_scales=None):  # pragma: no cover - needs a GPU
+        """CuPy version of the reference algorithm (same masks, float32 math); FP8 storage is
+        dequantised as :meth:`gather_kv_fp8` returns it."""
         from ._cuda.convert import query_float32, storage_float32
 
         cp = self._cp
@@ -387,11 +495,18 @@ class CudaSlotEngine(FastSlotEngine):
                 slot = int(slots[b])
                 if kind is LayerKind.CROSS_ATTENTION:
                     n = int(cross[b])
-                    k, v = K[slot, :n], V[slot, :n]
+                    if kv_scales is not None:
+                        k, v = self.gather_kv_fp8(K, V, kv_scales[0], kv_scales[1], slot, n, None, 0, kv_scales[2])
+                    else:
+                        k, v = K[slot, :n], V[slot, :n]
                     mask = cp.ones((hi - lo, n), bool)
                 else:
                     n = int(used[b])
-                    if block_size is None:
+                    if kv_scales is not None:
+                        row = None if block_size is None else step.block_table[b]
+                        k, v = self.gather_kv_fp8(K, V, kv_scales[0], kv_scales[1], slot, n, row, block_size or 0,
+                                                  kv_scales[2])
+                    elif block_size is None:
                         k, v = K[slot, :n], V[slot, :n]
                     else:
                         pos = cp.arange(n)
@@ -404,8 +519,10 @@ class CudaSlotEngine(FastSlotEngine):
                     mask = key <= p
                     if kind is LayerKind.SLIDING_WINDOW:
                         mask &= key > p - window
-                kf = cp.repeat(storage_float32(k), group, axis=1)
-                vf = cp.repeat(storage_float32(v), group, axis=1)
+                if kv_scales is None:
+                    k, v = storage_float32(k), storage_float32(v)
+                kf = cp.repeat(k, group, axis=1)
+                vf = cp.repeat(v, group, axis=1)
                 s = cp.einsum("qhd,khd->hqk", q[lo:hi].astype(cp.float32), kf) * cp.float32(scale)
                 s = cp.where(mask[None], s, -cp.inf)
                 s = s - s.max(axis=-1, keepdims=True)

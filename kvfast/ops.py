@@ -6,7 +6,8 @@ work is the cache's fast engine (``cache.engine``):
 
 * :func:`append_kv` scatters through ``slot_mapping`` with a Numba ``memcpy``
   kernel (CPU) or the ``append_kv.cu`` RawKernel (GPU); bit-pattern copies,
-  padding slots (``< 0``) skipped;
+  padding slots (``< 0``) skipped; an FP8 cache quantises instead
+  (``kvfast/_numba/fp8.py`` on the CPU, ``append_kv_fp8.cu`` on the GPU);
 * :func:`gather_kv` returns one slot's committed K/V densely (Numba or
   ``gather_kv.cu``);
 * :func:`varlen_attention` attends in float32: on the CPU the reference
@@ -39,7 +40,9 @@ def append_kv(cache, layer: int, k, v, step) -> None:
     layer : int
         An ATTENTION or SLIDING_WINDOW layer.
     k, v : float [T, kv_heads, head_dim]
-        The step's new keys and values; cast to the storage dtype (no cast,
+        The step's new keys and values; an FP8 cache quantises them with per-(block, head)
+        scales (``spec/slot-cache.md`` §10.2: finite values only, else ``ValueError``); otherwise
+        cast to the storage dtype (no cast,
         a bit copy, when they already have it).
     step : StepIndices
         From ``cache.prepare_step``; ``T == step.num_tokens``.
@@ -72,7 +75,8 @@ def gather_kv(cache, layer: int, slot: int):
     Returns
     -------
     K, V : config.dtype [n, kv_heads, head_dim]
-        Copies (NumPy on CPU, CuPy on CUDA).
+        Copies (NumPy on CPU, CuPy on CUDA); float32, dequantised, for an FP8 cache
+        (``spec/slot-cache.md`` §10.3).
 
     Raises
     ------
@@ -108,6 +112,7 @@ def varlen_attention(q, cache, layer: int, step, scale: float | None = None):
     Returns
     -------
     float32 [T, q_heads, head_dim]
+        An FP8 cache is read dequantised, exactly as ``gather_kv`` returns it (``spec/slot-cache.md`` §10.3).
 
     Raises
     ------

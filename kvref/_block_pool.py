@@ -15,20 +15,33 @@ Allocation order (part of the spec, so block ids agree across backends):
 * ``allocate`` pops the front; popping a published block unpublishes it
   (eviction) and reports its hash to the ``on_evict`` listener.
 
+Retention (spec/manager.md §14): a published block may hold a claim
+``(priority, expiry)`` (``set_retention``). A freed published block goes to
+the back of **level** ``priority`` (35 without a claim); the free order is the
+unpublished front, then levels 0, 1, .., 100, least recently freed first in
+each. A claim whose expiry passed is dropped when its block is freed, and,
+for free blocks, when the eviction front is read (``allocate``, ``peek``,
+``free_order``): expired blocks move, in expiry order, to the back of level
+35 (an expiry min-heap; stale entries are skipped).
+
 It satisfies ``kvspec.engine.BlockPool`` (the batch methods are plain loops
 over the per-block ones). Every operation is O(1) per block: the free list is an ordered dict used as
 an intrusive doubly linked list (``move_to_end(last=False)`` pushes to the
 front, ``popitem(last=False)`` pops it, ``del`` unlinks from the middle when a
-prefix hit revives a free block).
+prefix hit revives a free block): ``_free`` holds the front (unpublished
+blocks), ``_levels[p]`` level ``p``.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections import OrderedDict
 from typing import Callable, Iterable
 
 import numpy as np
 
+from kvspec import retention as _ret
 from kvspec.errors import CapacityError
 
 __all__ = ["BlockPool", "NULL_BLOCK"]
@@ -47,13 +60,18 @@ class BlockPool:
     on_evict : callable(bytes) -> None, optional
         Called with a published block's hash when the block is evicted
         (popped from the free list) or unpublished by ``reset_prefix_cache``.
+    clock : callable() -> float, optional
+        Seconds for retention expiries (``time.monotonic`` by default); read
+        only while some claim has a finite expiry. Assignable (``pool.clock``).
     """
 
-    def __init__(self, num_blocks: int, on_evict: Callable[[bytes], None] | None = None):
+    def __init__(self, num_blocks: int, on_evict: Callable[[bytes], None] | None = None, *,
+                 clock: Callable[[], float] | None = None):
         if num_blocks < 2:
             raise ValueError(f"BlockPool: num_blocks={num_blocks}, must be >= 2 (block 0 is the null block)")
         self.num_blocks = num_blocks
         self.on_evict = on_evict
+        self.clock = _ret.check_clock("BlockPool", clock)
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -69,6 +87,22 @@ class BlockPool:
         #: prefix index: hash -> published block id
         self.hash_to_block: dict[bytes, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, n))
+        #: free blocks of each retention level (published, or unpublished by reset_prefix_cache), LRU first
+        self._levels: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(_ret.NUM_LEVELS)]
+        #: level of a block on a level list, else -1 (in use, or on the front list ``_free``)
+        self._lvl = [-1] * n
+        #: retention claim per block: priority (NO_CLAIM = none) and expiry (NEVER = none)
+        self.priority = [_ret.NO_CLAIM] * n
+        self.expiry = [_ret.NEVER] * n
+        #: free blocks with a finite expiry: (expiry, seq, block); an entry is live while _heap_seq[block] == seq
+        self._heap: list[tuple[float, int, int]] = []
+        self._heap_seq = [-1] * n
+        self._seq = 0
+        #: every level below this one is empty; blocks on level lists
+        self._lo = _ret.NUM_LEVELS
+        self._n_levels = 0
+        #: blocks taken out of circulation by ``revoke`` (a slab leaf's pages in huge blocks it does not hold)
+        self._off: set[int] = set()
 
     def snapshot(self):
         """An opaque copy of the whole state (for atomic rollback and tests)."""
@@ -78,21 +112,33 @@ class BlockPool:
             list(self.block_tokens),
             dict(self.hash_to_block),
             list(self._free),
+            [list(lv) for lv in self._levels],
+            (list(self.priority), list(self.expiry), list(self._heap), list(self._heap_seq), self._seq),
         )
 
     def restore(self, snap) -> None:
         """Return to a state taken with ``snapshot``."""
-        rc, bh, bt, idx, free = snap
+        rc, bh, bt, idx, free, levels, ret = snap
         self.ref_count, self.block_hash, self.block_tokens = list(rc), list(bh), list(bt)
         self.hash_to_block = dict(idx)
         self._free = OrderedDict((b, None) for b in free)
+        self._levels = [OrderedDict((b, None) for b in lv) for lv in levels]
+        self._lvl = [-1] * self.num_blocks
+        for p, lv in enumerate(self._levels):
+            for b in lv:
+                self._lvl[b] = p
+        self._lo = next((p for p, lv in enumerate(self._levels) if lv), _ret.NUM_LEVELS)
+        self._n_levels = sum(map(len, self._levels))
+        pr, ex, heap, hseq, seq = ret
+        self.priority, self.expiry, self._heap, self._heap_seq, self._seq = (
+            list(pr), list(ex), list(heap), list(hseq), seq)
 
     # ------------------------------------------------------------------ queries
 
     @property
     def num_free(self) -> int:
         """Blocks that ``allocate`` can hand out (free and evictable published)."""
-        return len(self._free)
+        return len(self._free) + self._n_levels
 
     @property
     def num_usable(self) -> int:
@@ -100,12 +146,19 @@ class BlockPool:
         return self.num_blocks - 1
 
     def free_order(self) -> list[int]:
-        """The free list front to back (the order ``allocate`` pops); for tests."""
-        return list(self._free)
+        """The free list front to back (the order ``allocate`` pops); for tests.
+
+        Reads the eviction front: expired claims are dropped first (spec/manager.md §14.5).
+        """
+        self._expire()
+        out = list(self._free)
+        for lv in self._levels[self._lo :]:
+            out.extend(lv)
+        return out
 
     def is_free(self, block: int) -> bool:
         """True when ``block`` is on the free list (free, or published with no reference)."""
-        return block in self._free
+        return block in self._free or self._lvl[block] >= 0
 
     def is_published(self, block: int) -> bool:
         """True when ``block`` is in the prefix index (it has a hash)."""
@@ -114,7 +167,7 @@ class BlockPool:
     def lookup(self, block_hash: bytes, tokens) -> int | None:
         """The published block holding ``block_hash`` **and** exactly ``tokens``, else None.
 
-        Spec §6: a hash is a key, never a proof; the stored tokens must match.
+        spec/hashing.md §4: a hash is a key, never a proof; the stored tokens must match.
         """
         block = self.hash_to_block.get(block_hash)
         if block is None:
@@ -137,11 +190,13 @@ class BlockPool:
         ``on_evict``. Raises ``CapacityError`` (state unchanged) when fewer
         than ``n`` blocks are free.
         """
-        if n > len(self._free):
-            raise CapacityError(f"BlockPool.allocate: needs {n} blocks, {len(self._free)} free or evictable")
+        free = self.num_free
+        if n > free:
+            raise CapacityError(f"BlockPool.allocate: needs {n} blocks, {free} free or evictable")
+        self._expire()
         out = []
         for _ in range(n):
-            block, _ = self._free.popitem(last=False)
+            block = self._pop_front()
             self._unpublish(block)
             self.ref_count[block] = 1
             out.append(block)
@@ -161,7 +216,7 @@ class BlockPool:
 
     def count_free(self, blocks) -> int:
         """How many of ``blocks`` (distinct) are on the free list."""
-        return sum(1 for b in blocks if b in self._free)
+        return sum(1 for b in blocks if self.is_free(b))
 
     def lookup_run(self, hashes, tokens) -> list[int]:
         """The longest leading run of ``lookup`` hits; ``tokens`` int32 ``[len(hashes) * page]``."""
@@ -193,12 +248,14 @@ class BlockPool:
     def peek(self, n: int, skip=()) -> list[int]:
         """The first ``n`` blocks ``allocate`` would pop once the blocks in ``skip`` left the free
         list (fewer when fewer are free); changes nothing (the manager plans before it commits)."""
+        self._expire()
         out: list[int] = []
-        for b in self._free:
-            if len(out) >= n:
-                break
-            if b not in skip:
-                out.append(b)
+        for lv in [self._free] + self._levels[self._lo :]:
+            for b in lv:
+                if len(out) >= n:
+                    return out
+                if b not in skip:
+                    out.append(b)
         return out
 
     def touch(self, block: int) -> None:
@@ -206,7 +263,7 @@ class BlockPool:
         if block == NULL_BLOCK:
             raise ValueError("BlockPool.touch: block 0 is the null block")
         if self.ref_count[block] == 0:
-            del self._free[block]
+            self._unlink(block)
         self.ref_count[block] += 1
 
     def free(self, blocks: Iterable[int]) -> None:
@@ -215,6 +272,7 @@ class BlockPool:
         A block reaching 0 goes to the front of the free list if unpublished,
         to the back if published. The null block is skipped.
         """
+        now = None
         for block in blocks:
             if block == NULL_BLOCK:
                 continue
@@ -222,9 +280,15 @@ class BlockPool:
                 raise AssertionError(f"BlockPool.free: block {block} ref_count={self.ref_count[block]}")
             self.ref_count[block] -= 1
             if self.ref_count[block] == 0:
-                self._free[block] = None
                 if self.block_hash[block] is None:
+                    self._free[block] = None
                     self._free.move_to_end(block, last=False)
+                    continue
+                if self.expiry[block] != _ret.NEVER:  # spec/manager.md §14.5: checked when freed
+                    now = self.clock() if now is None else now
+                    if self.expiry[block] <= now:
+                        self._drop_claim(block)
+                self._append(block)
 
     def publish(self, block: int, block_hash: bytes, tokens) -> int:
         """Enter ``block`` into the prefix index under ``block_hash``.
@@ -251,13 +315,30 @@ class BlockPool:
         self.hash_to_block[bytes(block_hash)] = block
         return block
 
+    def grant(self, blocks) -> None:
+        """Put ``blocks`` (out of circulation: revoked, ref count 0, unpublished) back on the free list,
+        at the **front**, in the order given (``blocks[0]`` is popped first): a slab leaf's pages of a
+        huge block it claimed (spec/manager.md §13.2)."""
+        for b in reversed(list(blocks)):
+            self._off.remove(b)
+            self._free[b] = None
+            self._free.move_to_end(b, last=False)
+
+    def revoke(self, blocks) -> None:
+        """Take free ``blocks`` (ref count 0) out of circulation: off the free list and, if published,
+        out of the prefix index (evicted, reported to ``on_evict``). They stay off until ``grant``."""
+        for b in blocks:
+            self._unlink(b)
+            self._unpublish(b)
+            self._off.add(b)
+
     def reset_prefix_cache(self) -> list[int]:
         """Unpublish every published block with ref count 0; returns them.
 
         Referenced (live or pinned) blocks stay published. The free order is
         unchanged.
         """
-        dropped = [b for b in self._free if self.block_hash[b] is not None]
+        dropped = [b for lv in [self._free] + self._levels for b in lv if self.block_hash[b] is not None]
         for b in dropped:
             self._unpublish(b)
         return dropped
@@ -270,8 +351,109 @@ class BlockPool:
             del self.hash_to_block[h]
         self.block_hash[block] = None
         self.block_tokens[block] = None
+        self._drop_claim(block)
         if self.on_evict is not None:
             self.on_evict(h)
+
+    # ------------------------------------------------------------------ retention (spec/manager.md §14)
+
+    def set_retention(self, blocks: Iterable[int], priority: int, expiry: float) -> None:
+        """Merge the claim ``(priority, expiry)`` into each **published** block of ``blocks``.
+
+        Parameters
+        ----------
+        blocks : iterable of int
+            Pages (the null block and unpublished pages are skipped).
+        priority : int
+            ``0 .. 100``.
+        expiry : float
+            Absolute time on ``clock`` (``math.inf``: none).
+
+        Notes
+        -----
+        The merge is ``kvspec.retention.merge``: no claim or an expired one is
+        replaced, else the higher priority wins, and at equal priority the later
+        expiry. A block that is free moves to the back of its (new) level, as if
+        freed now. ``TypeError`` / ``ValueError`` before any change on a bad
+        ``priority`` or ``expiry``.
+        """
+        priority = _ret.check_priority("BlockPool.set_retention", priority, "priority")
+        expiry = _check_expiry(expiry)
+        blocks = list(blocks)
+        for b in blocks:
+            if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 0 <= b < self.num_blocks:
+                raise IndexError(f"BlockPool.set_retention: block {b!r} out of range 0..{self.num_blocks - 1}")
+        now = -math.inf
+        for b in blocks:
+            if b == NULL_BLOCK or self.block_hash[b] is None:
+                continue
+            if self.expiry[b] != _ret.NEVER and now == -math.inf:
+                now = self.clock()
+            self.priority[b], self.expiry[b] = _ret.merge(self.priority[b], self.expiry[b], priority, expiry, now)
+            if self.ref_count[b] == 0 and b not in self._off:
+                self._unlink(b)
+                self._append(b)
+
+    def retention(self, block: int) -> tuple[int, float]:
+        """The claim of ``block``: ``(priority, expiry)``, ``(-1, inf)`` without one."""
+        return self.priority[block], self.expiry[block]
+
+    def _drop_claim(self, block: int) -> None:
+        self.priority[block] = _ret.NO_CLAIM
+        self.expiry[block] = _ret.NEVER
+        self._heap_seq[block] = -1
+
+    def _append(self, block: int) -> None:
+        """Put free ``block`` at the back of its level; a finite expiry enters the heap."""
+        p = _ret.level_of(self.priority[block])
+        self._levels[p][block] = None
+        self._lvl[block] = p
+        self._n_levels += 1
+        self._lo = min(self._lo, p)
+        if self.expiry[block] != _ret.NEVER:
+            self._seq += 1
+            self._heap_seq[block] = self._seq
+            heapq.heappush(self._heap, (self.expiry[block], self._seq, block))
+            if len(self._heap) > 2 * self.num_blocks + 64:  # stale entries of revived blocks: amortised O(1)
+                self._heap = [x for x in self._heap if self._heap_seq[x[2]] == x[1]]
+                heapq.heapify(self._heap)
+
+    def _unlink(self, block: int) -> None:
+        """Take free ``block`` off whichever list holds it."""
+        p = self._lvl[block]
+        if p < 0:
+            del self._free[block]
+        else:
+            del self._levels[p][block]
+            self._lvl[block] = -1
+            self._n_levels -= 1
+        self._heap_seq[block] = -1
+
+    def _pop_front(self) -> int:
+        """Unlink and return the block ``allocate`` pops next (the caller checked one is free)."""
+        if self._free:
+            return self._free.popitem(last=False)[0]
+        while not self._levels[self._lo]:
+            self._lo += 1
+        block = self._levels[self._lo].popitem(last=False)[0]
+        self._lvl[block] = -1
+        self._n_levels -= 1
+        self._heap_seq[block] = -1
+        return block
+
+    def _expire(self) -> None:
+        """spec/manager.md §14.5: free blocks whose claim expired move, in expiry order, to level 35."""
+        heap = self._heap
+        if not heap:
+            return
+        now = self.clock()
+        while heap and heap[0][0] <= now:
+            _, seq, b = heapq.heappop(heap)
+            if self._heap_seq[b] != seq:
+                continue  # stale: the block was taken, evicted or freed again since
+            self._unlink(b)
+            self._drop_claim(b)
+            self._append(b)
 
     # ------------------------------------------------------------------ invariants
 
@@ -287,11 +469,23 @@ class BlockPool:
         p = "check_invariants"
         assert self.ref_count[NULL_BLOCK] == 0, f"{p}: null block ref_count={self.ref_count[0]}"
         assert NULL_BLOCK not in self._free, f"{p}: null block is on the free list"
+        assert self._lvl[NULL_BLOCK] < 0, f"{p}: null block is on a level list"
+        assert self._n_levels == sum(map(len, self._levels)), f"{p}: level count {self._n_levels} is stale"
+        for lv_idx, lv in enumerate(self._levels):
+            assert lv_idx >= self._lo or not lv, f"{p}: level {lv_idx} is not empty but below the hint {self._lo}"
+            for b in lv:
+                assert self._lvl[b] == lv_idx and b not in self._free, f"{p}: block {b} is on two free lists"
+        for b in range(self.num_blocks):
+            if self.block_hash[b] is None:
+                assert self.priority[b] == _ret.NO_CLAIM, f"{p}: unpublished block {b} holds a retention claim"
         assert self.block_hash[NULL_BLOCK] is None, f"{p}: null block is published"
         for b in range(1, self.num_blocks):
             rc = self.ref_count[b]
             assert rc >= 0, f"{p}: block {b} ref_count={rc} < 0"
-            assert (rc == 0) == (b in self._free), f"{p}: block {b} ref_count={rc} but free={b in self._free}"
+            if b in self._off:  # revoked (spec/manager.md §13.2): out of circulation, unreferenced, unpublished
+                assert rc == 0 and self.block_hash[b] is None, f"{p}: revoked block {b} ref_count={rc} or published"
+                continue
+            assert (rc == 0) == self.is_free(b), f"{p}: block {b} ref_count={rc} but free={self.is_free(b)}"
             if table_refs is not None:
                 want = table_refs.get(b, 0)
                 assert rc == want, f"{p}: block {b} ref_count={rc} but {want} table entries"
@@ -305,3 +499,13 @@ class BlockPool:
         if table_refs is not None:
             for b in table_refs:
                 assert b != NULL_BLOCK, f"{p}: a table references block 0 as live"
+
+
+def _check_expiry(expiry) -> float:
+    """An expiry as a float (not NaN); ``TypeError`` / ``ValueError`` otherwise."""
+    if isinstance(expiry, bool) or not isinstance(expiry, (int, float, np.floating, np.integer)):
+        raise TypeError(f"BlockPool.set_retention: expiry={expiry!r}, must be a float (math.inf: none)")
+    e = float(expiry)
+    if math.isnan(e):
+        raise ValueError(f"BlockPool.set_retention: expiry={expiry!r}, must not be NaN")
+    return e

@@ -651,6 +651,7 @@ class DiskTier(EntryIndex):
         if self._index.get(entry.block_hash) is entry:
             del self._index[entry.block_hash]
             self.used -= entry.size
+            self._claims.pop(entry.block_hash, None)  # spec/tiers.md §3.1: a claim lives with its entry
 
     # ------------------------------------------------------------------ invariants
 

@@ -135,6 +135,7 @@ class HostTier(EntryIndex):
         if self._index.get(entry.block_hash) is entry:
             del self._index[entry.block_hash]
             self._released.append(entry.slot)
+            self._claims.pop(entry.block_hash, None)  # spec/tiers.md §3.1: a claim lives with its entry
 
     # ------------------------------------------------------------------ invariants
 

@@ -66,6 +66,42 @@ class Residency:
         return [self.page(i) for i in range(lo, k)]
 
 
+class ExtendedResidency:
+    """Residency of one leaf's blocks from a further source (spec/manager.md §3.2 applied to
+    device + tiers in spec/manager.md §9.3, local + peer replicas in spec/manager.md §7.3), asked lazily
+    and memoised.
+
+    Blocks below ``k0`` count as held (the request's rows hold them); block ``i >= k0``
+    when ``ask(i)`` is true. ``run_from(k0, k)``, when given, answers the held run of
+    blocks ``k0 .. k-1`` in one call (a tier's batched lookup).
+    """
+
+    __slots__ = ("k0", "_ask", "_run_from", "_memo")
+
+    def __init__(self, k0: int, ask, run_from=None):
+        self.k0, self._ask, self._run_from = k0, ask, run_from
+        self._memo: dict[int, bool] = {}
+
+    def __call__(self, i: int) -> bool:
+        if i < self.k0:
+            return True
+        got = self._memo.get(i)
+        if got is None:
+            got = self._memo[i] = bool(self._ask(i))
+        return got
+
+    def run(self, k: int) -> int:
+        """The held run from the root, at most ``k`` blocks."""
+        if k <= self.k0:
+            return k
+        if self._run_from is not None:
+            return min(k, self.k0 + self._run_from(self.k0, k))
+        j = self.k0
+        while j < k and self(j):
+            j += 1
+        return j
+
+
 class Leaf:
     """One leaf's geometry and prefix-hit rule.
 
@@ -88,6 +124,22 @@ class Leaf:
         self.blocks_in_window = math.ceil((spec.window - 1) / page_size) if spec.kind is LeafKind.SLIDING_WINDOW else 0
 
     @property
+    def tier_tag(self) -> bytes:
+        """The leaf's name and layout in its tier keys (spec/tiers.md §12)."""
+        sp = self.spec
+        return (f"{self.leaf_id}|{self.kind.value}|{sp.window}|{','.join(map(str, sp.state_shape))}|"
+                f"{sp.state_dtype}").encode()
+
+    def needed_blocks(self, k0: int, k: int) -> list[int]:
+        """Blocks past ``k0`` this leaf must hold for a hit of ``k`` blocks (spec/manager.md §3.2):
+        full ``k0 .. k-1``; sliding the window's part of them; recurrent the checkpoint ``k-1``."""
+        if k <= k0:
+            return []
+        if self.is_recurrent:
+            return [k - 1]
+        return list(range(max(k0, self.window_start(k)), k))
+
+    @property
     def is_recurrent(self) -> bool:
         return self.kind is LeafKind.RECURRENT
 
@@ -98,6 +150,18 @@ class Leaf:
     def window_start(self, k: int) -> int:
         """First row index a sliding leaf still needs when ``k`` blocks are processed."""
         return max(0, k - self.blocks_in_window) if self.is_sliding else 0
+
+    def pages_to_hold(self, max_seq_len: int) -> int:
+        """Pages of this leaf one request of ``max_seq_len`` tokens must hold at once (spec/manager.md §1.6).
+
+        Full: ``ceil(max_seq_len / page_size)``; sliding: the window's pages plus the
+        current one once the slots below it are nulled, ``min(ceil(max_seq_len /
+        page_size), biw + 1)`` (a prefill chunked at the window); recurrent: 1.
+        """
+        if self.is_recurrent:
+            return 1
+        n = math.ceil(max_seq_len / self.page_size)
+        return min(n, self.blocks_in_window + 1) if self.is_sliding else n
 
     def best(self, k: int, resident: "Residency") -> int:
         """The longest hit ``j <= k`` (in blocks) this leaf accepts.
@@ -126,11 +190,17 @@ def joint_hit(leaves: list[Leaf], cap: int, resident: dict[str, "Residency"]) ->
     """The fixed point of the leaves' rules: the longest hit ``<= cap`` every leaf accepts.
 
     spec/manager.md §3.2: not the minimum of the per-leaf hits; narrowing one leaf can
-    break another's window, so iterate until all accept one length.
+    break another's window, so iterate until all accept one length. Each leaf starts from
+    the length the leaves before it accepted (full leaves first: one batched run), which
+    reaches the same fixed point (the longest length every leaf accepts) with fewer
+    residency questions, each a tier lookup in spec/manager.md §9.8.
     """
+    order = sorted(leaves, key=lambda leaf: (leaf.kind is not LeafKind.FULL, leaf.is_recurrent))
     k = cap
     while True:
-        k2 = min(leaf.best(k, resident[leaf.leaf_id]) for leaf in leaves)
+        k2 = k
+        for leaf in order:
+            k2 = leaf.best(k2, resident[leaf.leaf_id])
         if k2 == k:
             return k
         k = k2

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter, OrderedDict
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from kvspec import hashing
 from kvspec._config import check_int, parse_device
-from kvspec._connector import KVConnector, NullConnector
+from kvspec._connector import KVConnector, NullConnector, leaf_block_key
 from kvspec._dtypes import STATE_DTYPES
 from kvspec._manager_types import (
     BlockCount,
@@ -32,15 +32,18 @@ from kvspec._manager_types import (
     LeafKind,
     PrefixCacheHits,
     TextContext,
+    spec_decode_cache_slack,
 )
 from kvspec.errors import InsufficientBlocksError, KVLoadFailed, KVLoadRefused
+from kvspec.retention import check_clock, expiry_of
 
-from kvspec._page_store import BookkeepingPageStore
+from kvspec._page_store import BookkeepingPageStore, LeafUnitStore, ScaledPageStore
 from kvspec.engine import NULL_BLOCK, BlockPool, ManagerEngine
 
-from ._leaves import Leaf, Residency, joint_hit
+from ._leaves import ExtendedResidency, Leaf, Residency, joint_hit
 from ._manager_engine import ReferenceManagerEngine
 from ._request import _AllocPlan, _Load, _Offload, _Request
+from ._slab import Slab, SlabGeometry, plan_slab_geometry
 from ._runtime_inputs import LUT_ALIGN, lut_columns
 
 __all__ = ["PagedKVCacheManager"]
@@ -57,8 +60,34 @@ ROOT_CACHE_SIZE = 64
 _DONE = CompletedTransfer()
 
 
+class _AwaitOffloads(Exception):
+    """spec/manager.md §4 step 6: the sizing fits once the replica's in-flight offloads complete
+    (raised by the check, caught by ``alloc``, which waits and sizes again; never escapes)."""
+
+    def __init__(self, replica: int, message: str):
+        super().__init__(message)
+        self.replica = replica
+
+
+def _slack_note(slack: int) -> str:
+    """`` + spec_decode_cache_slack=N`` for a message, or ``""`` without speculative decoding."""
+    return f" + spec_decode_cache_slack={slack}" if slack else ""
+
+
 def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _slab_geometry(params: KVCacheParams, leaves: list[Leaf]) -> SlabGeometry:
+    """spec/manager.md §13.1: the huge block of a multi-leaf manager from its leaves' page bytes; a
+    padded page stays a whole number of rows (``head_dim`` elements, or the state's last axis)."""
+    rows = {}
+    for leaf in leaves:
+        if leaf.is_recurrent:
+            rows[leaf.leaf_id] = STATE_DTYPES[leaf.spec.state_dtype].itemsize * leaf.spec.state_shape[-1]
+        else:
+            rows[leaf.leaf_id] = params.np_dtype.itemsize * params.head_dim
+    return plan_slab_geometry({leaf.leaf_id: params.page_bytes(leaf.leaf_id) for leaf in leaves}, rows)
 
 
 # --------------------------------------------------------------------------- manager
@@ -72,8 +101,10 @@ class PagedKVCacheManager:
     params : KVCacheParams
         Geometry, leaves, hashing and tier sizes.
     num_blocks : int
-        Pages per replica and leaf **including** the null block 0 (>= 2;
-        >= 3 with a recurrent leaf and prefix caching).
+        Pages per replica **including** the null block 0 with one leaf; with
+        several leaves, huge blocks of the replica's slab that the leaves
+        share (spec/manager.md §13). >= 2; >= 3 with a recurrent leaf and
+        prefix caching.
     max_batch_size : int
         Most contexts one replica batch of ``runtime_inputs`` may hold (>= 1).
     max_seq_len : int
@@ -84,13 +115,19 @@ class PagedKVCacheManager:
         External tiers. ``None``: a ``TieredConnector`` when
         ``params.host_offload_bytes`` or ``disk_offload_bytes`` is non-zero,
         else ``NullConnector()``.
+    clock : callable() -> float, optional
+        Seconds for retention time-to-live (``time.monotonic`` by default;
+        spec/manager.md §14.7); tests inject a fake clock.
 
     Notes
     -----
-    Storage per replica: a full or sliding leaf owns a buffer
-    ``[num_blocks, 2, num_layers, page_size, kv_heads, head_dim]`` of
-    ``params.dtype``; a recurrent leaf ``[num_blocks, *state_shape]`` of its
-    state dtype. Block 0 of each is the null page.
+    Storage per replica: a full or sliding leaf has a buffer
+    ``[pages, 2, num_layers, page_size, kv_heads, head_dim]`` of
+    ``params.dtype``; a recurrent leaf ``[pages, *state_shape]`` of its
+    state dtype. Block 0 of each is the null page. One leaf: ``pages =
+    num_blocks``, its own array. Several leaves: ``pages = num_blocks *
+    ratio[leaf]`` and every buffer is a view into one ``uint8 [num_blocks,
+    huge_bytes]`` slab (``slab_geometry``).
 
     Examples
     --------
@@ -116,8 +153,10 @@ class PagedKVCacheManager:
         max_seq_len: int,
         device: str = "cpu",
         connector: KVConnector | None = None,
+        clock: Callable[[], float] | None = None,
     ):
         o = "PagedKVCacheManager"
+        clock = check_clock(o, clock)  # spec/manager.md §14.7: retention expiries read this clock
         if not isinstance(params, KVCacheParams):
             raise TypeError(f"{o}: params={params!r}, must be a KVCacheParams")
         # spec/manager.md §1.1: every size is bounded before any arithmetic or allocation.
@@ -128,6 +167,27 @@ class PagedKVCacheManager:
         leaves = [Leaf(lid, spec, params.page_size) for lid, spec in params.leaves().items()]
         if any(leaf.is_recurrent for leaf in leaves) and params.enable_prefix_caching and num_blocks < 3:
             raise ValueError(f"{o}: num_blocks={num_blocks}, must be >= 3 with a recurrent leaf (live + successor)")
+        # spec/manager.md §13.1: several leaves share one slab of huge blocks, each leaf cut at its ratio.
+        geometry = _slab_geometry(params, leaves) if len(leaves) > 1 else None
+        ratios = geometry.ratios if geometry else {leaf.leaf_id: 1 for leaf in leaves}
+        # spec/manager.md §15.8: a speculating request may reach spec_decode_cache_slack past max_seq_len.
+        reach = max_seq_len + spec_decode_cache_slack(params)
+        for leaf in leaves:  # spec/manager.md §1.6: a pool that cannot hold one max_seq_len request is refused
+            need = leaf.pages_to_hold(reach)
+            have = (num_blocks - 1) * ratios[leaf.leaf_id]
+            if need > have:
+                raise ValueError(
+                    f"{o}: max_seq_len={max_seq_len}{_slack_note(reach - max_seq_len)} needs {need} pages of leaf "
+                    f"{leaf.leaf_id!r} for one request, "
+                    f"the pool has {have} (num_blocks={num_blocks} less the null page)")
+        if geometry is not None:  # spec/manager.md §13.3: the leaves' pages come from the same huge blocks
+            need = {leaf.leaf_id: -(-leaf.pages_to_hold(reach) // ratios[leaf.leaf_id]) for leaf in leaves}
+            if sum(need.values()) > num_blocks - 1:
+                raise ValueError(
+                    f"{o}: max_seq_len={max_seq_len}{_slack_note(reach - max_seq_len)} needs {sum(need.values())} "
+                    "huge blocks for one request "
+                    f"({', '.join(f'{lid!r}: {n}' for lid, n in need.items())}), the slab has {num_blocks - 1} "
+                    f"(num_blocks={num_blocks} less the null block)")
         if connector is not None and not isinstance(connector, KVConnector):
             raise TypeError(f"{o}: connector={connector!r} does not implement kvspec.KVConnector")
 
@@ -144,7 +204,8 @@ class PagedKVCacheManager:
         self._paged_leaves = [leaf for leaf in leaves if not leaf.is_recurrent]
         self._salted_roots: OrderedDict[bytes, bytes] = OrderedDict()  # bounded LRU (spec/manager.md §3.1)
         self._closed = False  # set by shutdown (spec/manager.md §9.7)
-        # spec/manager.md §9.1: tiers and cross-replica copies serve single full-leaf managers.
+        # One full leaf: tier keys are the block hashes and the device pages are the tiers' pages. Several
+        # leaves (or one non-full leaf): spec/manager.md §9.8 and spec/tiers.md §12 (per-leaf keys, units).
         self._simple = len(leaves) == 1 and leaves[0].kind is LeafKind.FULL
         self._conn_leaf = self._paged_leaves[0].leaf_id
         # The leaf whose rows carry the chain for twin dedup (spec/manager.md §5.1): a full leaf if any.
@@ -153,20 +214,63 @@ class PagedKVCacheManager:
         self._sliding_leaves = [leaf for leaf in leaves if leaf.is_sliding]
         self._paged_ids = [leaf.leaf_id for leaf in self._paged_leaves]
         self._recurrent_leaves = [leaf for leaf in leaves if leaf.is_recurrent]
+        # spec/tiers.md §12: the connector leaf first, then the others in declaration order; a full
+        # anchor leaf keys its pages by the block hash itself, every other leaf by leaf_block_key.
+        self._unit_order = [self._leaf[self._conn_leaf]] + [lf for lf in leaves if lf.leaf_id != self._conn_leaf]
+        self._plain_leaf = self._anchor.leaf_id if self._anchor.kind is LeafKind.FULL else None
+        self._units: dict[str, int] = {}
+        self._unit_base: dict[str, int] = {}
+        # spec/manager.md §15 (speculative decoding), decided once: MAX's slack terms.
+        self._drafts = params.num_draft_tokens
+        self._draft_extra = 1 if self._drafts and params.num_draft_tokens_per_step == self._drafts else 0
+        self._slack = spec_decode_cache_slack(params)
+        # spec/manager.md §16 (FP8 K/V): per-page float32 scales beside every full/sliding page.
+        self._scales_shape = params.page_scales_shape
 
         self._engine = engine
-        self._pools: list[dict[str, BlockPool]] = [
-            {leaf.leaf_id: engine.block_pool(num_blocks) for leaf in leaves} for _ in range(self._dp)]
+        # spec/manager.md §13: num_blocks counts huge blocks; leaf l has num_blocks * ratio[l] page ids.
+        self._geometry = geometry
+        self._ratios = ratios
+        self._slabs: list[Slab] = [
+            Slab(engine.slab_table(num_blocks, len(leaves)),
+                 {leaf.leaf_id: engine.block_pool(num_blocks * ratios[leaf.leaf_id]) for leaf in leaves}, ratios)
+            for _ in range(self._dp)] if geometry is not None else []
+        self._pools: list[dict[str, BlockPool]] = (
+            [dict(slab.pools) for slab in self._slabs] if self._slabs else
+            [{leaf.leaf_id: engine.block_pool(num_blocks) for leaf in leaves} for _ in range(self._dp)])
+        self._clock = clock
+        for pools in self._pools:
+            for pool in pools.values():
+                pool.clock = clock
+                if hasattr(pool, "inner"):  # a slab leaf's view: its inner pool orders the pages
+                    pool.inner.clock = clock
         # spec/manager.md §1.3 / §1.5: buffers exist only when params.allocate_buffers (else nothing is O(bytes)).
         self._holds_bytes = params.allocate_buffers
+        # spec/manager.md §13.1: with a slab, one uint8 [num_blocks, huge_bytes] per replica, every leaf's
+        # buffer a view into it with page stride padded_bytes[leaf].
+        self._slab_bytes = [engine.slab_buffer(num_blocks, geometry.huge_bytes) if self._holds_bytes else None
+                            for _ in range(self._dp)] if geometry is not None else []
         self._buffers: list[dict[str, Any]] = [
-            {leaf.leaf_id: (engine.page_buffer(self._leaf_shape(leaf), self._leaf_dtype(leaf))
-                            if self._holds_bytes else None) for leaf in leaves}
+            {leaf.leaf_id: (self._leaf_buffer(r, leaf) if self._holds_bytes else None) for leaf in leaves}
+            for r in range(self._dp)]
+        # spec/manager.md §13.1: a slab leaf's page stride in elements, -1 when packed (MAX's convention)
+        self._page_strides = {
+            leaf.leaf_id: np.array([-1 if geometry.padded_bytes[leaf.leaf_id] == geometry.page_bytes[leaf.leaf_id]
+                                    else geometry.padded_bytes[leaf.leaf_id]
+                                    // engine.storage_dtype(self._leaf_dtype(leaf)).itemsize], np.int64)
+            for leaf in leaves} if geometry is not None else {}
+        # spec/manager.md §16: scales [num_blocks, 2, num_layers, kv_heads] float32 per replica and
+        # full/sliding leaf, zero-filled; none without bytes or without an FP8 dtype.
+        self._scales: list[dict[str, Any]] = [
+            {leaf.leaf_id: engine.page_buffer((self._leaf_pages(leaf), *self._scales_shape), np.float32)
+             for leaf in self._paged_leaves} if self._scales_shape and self._holds_bytes else {}
             for _ in range(self._dp)]
 
         self._requests: dict[str, _Request] = {}
         self._metrics = KVCacheMetrics()
         self._pins: list[Counter] = [Counter() for _ in range(self._dp)]
+        # spec/manager.md §9.8: pins of a manager with several leaves, per replica {(leaf_id, page): count}
+        self._leaf_pins: list[Counter] = [Counter() for _ in range(self._dp)]
         # per replica: committed runs (hashes, int32 tokens [n, page]) waiting for the next post
         self._offload_queue: list[list[tuple[list[bytes], np.ndarray]]] = [[] for _ in range(self._dp)]
         self._loads: list[_Load] = []
@@ -183,13 +287,20 @@ class PagedKVCacheManager:
                 connector = NullConnector()
         self._connector = connector
         # spec/manager.md §9.1: the null connector is never called on the hot path.
-        self._uses_connector = self._simple and self._caching and not isinstance(connector, NullConnector)
+        self._uses_connector = self._caching and not isinstance(connector, NullConnector)
         # spec/manager.md §1.4: one page store per replica, built by the engine over the final buffers.
-        if self._holds_bytes:
-            stores = [engine.page_store(self._buffers[r][self._conn_leaf]) for r in range(self._dp)]
+        if self._holds_bytes and self._scales_shape:
+            # spec/manager.md §16: one payload per page, values then scales, so every tier moves both.
+            stores = [ScaledPageStore(engine.page_store(self._store_buffer(r, self._conn_leaf)),
+                                      engine.page_store(self._scales[r][self._conn_leaf])) for r in range(self._dp)]
+        elif self._holds_bytes:
+            stores = [engine.page_store(self._store_buffer(r, self._conn_leaf)) for r in range(self._dp)]
         else:
-            stores = [BookkeepingPageStore(num_blocks, params.page_bytes(self._conn_leaf)) for _ in range(self._dp)]
+            stores = [BookkeepingPageStore(num_blocks * ratios[self._conn_leaf], params.kv_page_bytes)
+                      for _ in range(self._dp)]
         # spec/tiers.md §2: one live owner per connector; a second live manager is refused.
+        if not self._simple:  # spec/tiers.md §12: every leaf's pages, as units of the first paged leaf's page
+            stores = self._leaf_unit_stores(stores)
         connector.attach(stores, params, owner=self)
 
     @classmethod
@@ -212,8 +323,28 @@ class PagedKVCacheManager:
 
     def _leaf_shape(self, leaf: Leaf) -> tuple[int, ...]:
         if leaf.is_recurrent:
-            return (self._num_blocks, *leaf.spec.state_shape)
-        return (self._num_blocks, *self._params.page_shape)
+            return (self._leaf_pages(leaf), *leaf.spec.state_shape)
+        return (self._leaf_pages(leaf), *self._params.page_shape)
+
+    def _leaf_pages(self, leaf: Leaf) -> int:
+        """Page ids of ``leaf`` per replica: ``num_blocks * ratio`` (``num_blocks`` without a slab)."""
+        return self._num_blocks * self._ratios[leaf.leaf_id]
+
+    def _store_buffer(self, r: int, lid: str):
+        """The buffer the tiers' page store of leaf ``lid`` covers: the leaf's buffer, or, for a padded
+        slab leaf (a strided view), its pages as contiguous ``uint8 [pages, padded_bytes]`` rows of the
+        slab (padding travels with the page; spec/manager.md §13.1)."""
+        g = self._geometry
+        if g is None or g.padded_bytes[lid] == g.page_bytes[lid]:
+            return self._buffers[r][lid]
+        return self._slab_bytes[r].reshape(self._num_blocks * g.ratios[lid], g.padded_bytes[lid])
+
+    def _leaf_buffer(self, r: int, leaf: Leaf):
+        """Replica ``r``'s buffer of ``leaf``: its own array, or its view into the replica's slab."""
+        if not self._slabs:
+            return self._engine.page_buffer(self._leaf_shape(leaf), self._leaf_dtype(leaf))
+        return self._engine.leaf_view(self._slab_bytes[r], self._geometry.padded_bytes[leaf.leaf_id],
+                                      self._leaf_shape(leaf), self._leaf_dtype(leaf))
 
     def _leaf_dtype(self, leaf: Leaf):
         return STATE_DTYPES[leaf.spec.state_dtype] if leaf.is_recurrent else self._params.np_dtype
@@ -224,6 +355,12 @@ class PagedKVCacheManager:
     def params(self) -> KVCacheParams:
         """The ``KVCacheParams`` the manager was built with."""
         return self._params
+
+    @property
+    def slab_geometry(self) -> SlabGeometry | None:
+        """How each replica's slab is cut (spec/manager.md §13.1): huge block bytes, pages per huge
+        block, data and padded bytes per page of each leaf; None with a single leaf (no slab)."""
+        return self._geometry
 
     @property
     def chunk_alignment_tokens(self) -> int:
@@ -238,8 +375,22 @@ class PagedKVCacheManager:
     @property
     def effective_max_seq_length(self) -> int:
         """Longest context one forward can take on an empty pool:
-        ``min(max_seq_len, (num_blocks - 1) * page_size)``."""
-        return min(self._max_seq_len, (self._num_blocks - 1) * self._page)
+        ``min(max_seq_len, (num_blocks - 1) * page_size - spec_decode_cache_slack(params))``
+        (at least 0; the slack is 0 without speculative decoding). With a slab (spec/manager.md
+        §13.5), the longest one whose pages of every leaf fit the huge blocks together."""
+        if not self._slabs:
+            return max(0, min(self._max_seq_len, (self._num_blocks - 1) * self._page - self._slack))
+        state = 2 if self._caching else 1  # a recurrent leaf's live page and successor
+
+        def fits(n: int) -> bool:  # one request of n tokens on an empty slab (the pages spec/manager.md §1.6 counts)
+            return sum(-(-(state if leaf.is_recurrent else leaf.pages_to_hold(n + self._slack))
+                         // self._ratios[leaf.leaf_id]) for leaf in self._leaves) <= self._num_blocks - 1
+
+        lo, hi = 0, self._max_seq_len
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
 
     # ================================================================== validation helpers
 
@@ -279,7 +430,32 @@ class PagedKVCacheManager:
             raise ValueError(f"{op}: len(ctx)={len(ctx)} > max_seq_len={self._max_seq_len}")
 
     def _required_blocks(self, ctx: TextContext) -> int:
-        return math.ceil(ctx.current_position / self._page)
+        return -(-self._seq_len(ctx) // self._page)
+
+    def _seq_len(self, ctx: TextContext) -> int:
+        """KV slots the next forward may touch (MAX's ``_compute_seq_len``, spec/manager.md §15):
+        ``current_position`` without speculation, else ``current_position +
+        len(maybe_accepted_draft_tokens) + 2 * num_draft_tokens + block_draft_extra``."""
+        if not self._drafts:
+            return ctx.current_position
+        state = ctx._spec_decoding_state  # read without creating it (kvspec.TextContext's lazy slot)
+        maybe = len(state.maybe_accepted_draft_tokens) if state is not None else 0
+        return ctx.current_position + maybe + 2 * self._drafts + self._draft_extra
+
+    def _check_drafts(self, op: str, ctx: TextContext, where: str = "ctx") -> None:
+        """spec/manager.md §15: each draft list is a list, tuple or 1-D array of at most
+        ``num_draft_tokens`` entries (``TypeError`` / ``ValueError``)."""
+        state = ctx._spec_decoding_state
+        if state is None:
+            return
+        for name in ("draft_tokens_to_verify", "maybe_accepted_draft_tokens"):
+            drafts = getattr(state, name)
+            if not (isinstance(drafts, (list, tuple)) or (isinstance(drafts, np.ndarray) and drafts.ndim == 1)):
+                raise TypeError(f"{op}: {where}.spec_decoding_state.{name}={drafts!r}, must be a list, tuple or "
+                                "1-D array of ints")
+            if len(drafts) > self._drafts:
+                raise ValueError(f"{op}: len({where}.spec_decoding_state.{name})={len(drafts)} > "
+                                 f"params.num_draft_tokens={self._drafts}")
 
     # ================================================================== hashing
 
@@ -320,14 +496,16 @@ class PagedKVCacheManager:
         return {leaf.leaf_id: Residency(self._pools[r][leaf.leaf_id], hashes, tokens, self._page)
                 for leaf in self._leaves}
 
-    def _peer_source(self, r: int, h: bytes, toks: np.ndarray) -> tuple[int, int] | None:
-        """A peer replica's published page for ``h`` (source rotated by hash and destination)."""
+    def _peer_source(self, r: int, h: bytes, toks: np.ndarray, lid: str | None = None) -> tuple[int, int] | None:
+        """A peer replica's published page of leaf ``lid`` (the connector leaf by default) for ``h``
+        (source rotated by hash and destination)."""
         start = int.from_bytes(h[:8], "little") + r
+        lid = self._conn_leaf if lid is None else lid
         for j in range(self._dp):
             src = (start + j) % self._dp
             if src == r:
                 continue
-            page = self._pools[src][self._conn_leaf].lookup(h, toks)
+            page = self._pools[src][lid].lookup(h, toks)
             if page is not None:
                 return src, page
         return None
@@ -345,7 +523,67 @@ class PagedKVCacheManager:
                 if pool.lookup(h, toks) is None and self._peer_source(r, h, toks) is None:
                     break
                 reach += 1
+        elif self._dp > 1:
+            # spec/manager.md §7.3 with several leaves: the joint hit over local and peer residency.
+            resident = resident or self._resident(r, hashes, tokens)
+
+            def asker(lid: str):
+                return lambda i: resident[lid](i) or self._peer_source(
+                    r, hashes[i], self._block_tokens(tokens, i), lid) is not None
+
+            reach = max(local, joint_hit(self._leaves, cap, {
+                leaf.leaf_id: ExtendedResidency(0, asker(leaf.leaf_id)) for leaf in self._leaves}))
         return local, reach
+
+    def _fits(self, r: int, demand: dict[str, int], taken: dict[str, set[int]]) -> bool:
+        """Whether replica ``r`` can draw ``demand[leaf]`` pages after the pages in ``taken`` are referenced."""
+        if self._slabs:
+            return self._slabs[r].shortfall(demand, taken) is None
+        pools = self._pools[r]
+        return all(n <= pools[lid].num_free - pools[lid].count_free(list(taken.get(lid, ())))
+                   for lid, n in demand.items())
+
+    def _plan_peer_leaves(self, ctx, r, plan, touched, resident, hashes, tokens, local: int, reach: int) -> int:
+        """spec/manager.md §7.3 with several leaves: every block a leaf needs for the hit ``reach`` is
+        taken locally when held, else copied from a peer into a page the sizing draws (full/sliding:
+        published locally; recurrent: the peer's checkpoint into the new live page). All or nothing:
+        when the copies and the growth do not fit, the local hit ``local`` stands. Returns the hit."""
+        rows, nulled, taken = {}, {}, {}
+        peer, restore, restore_peer = {}, {}, {}
+        for leaf in self._leaves:
+            lid = leaf.leaf_id
+            taken[lid] = set()
+            got = {}
+            for i in leaf.needed_blocks(0, reach):
+                b = resident[lid].page(i)
+                if b is None:
+                    src = self._peer_source(r, hashes[i], self._block_tokens(tokens, i), lid)
+                    if src is None:  # the residency said local or peer: nothing else can answer
+                        return local
+                    peer[(lid, i)] = src
+                else:
+                    taken[lid].add(b)
+                got[i] = b
+            if leaf.is_recurrent:
+                i = reach - 1
+                if got[i] is None:
+                    restore_peer[lid] = peer.pop((lid, i))
+                else:
+                    restore[lid] = got[i]
+                continue
+            lo = leaf.window_start(reach)
+            rows[lid], nulled[lid] = [NULL_BLOCK] * lo + [got[i] for i in range(lo, reach)], lo
+        required = self._required_blocks(ctx)
+        demand = {leaf.leaf_id: (1 + (1 if self._caching else 0)) if leaf.is_recurrent
+                  else max(required - reach, 0) + rows[leaf.leaf_id].count(None) for leaf in self._leaves}
+        if not self._fits(r, demand, taken):
+            return local  # best effort: the copies need free pages
+        plan.rows.update(rows)
+        plan.nulled.update(nulled)
+        plan.restore, plan.leaf_peer, plan.restore_peer = restore, peer, restore_peer
+        touched.clear()
+        touched.update(taken)
+        return reach
 
     # ================================================================== claim / contains / release
 
@@ -423,9 +661,12 @@ class PagedKVCacheManager:
         if req.load is not None:
             req.load.request_id = None
         for leaf in self._leaves:
-            self._pools[r][leaf.leaf_id].free(list(reversed(req.rows[leaf.leaf_id])))
+            pages = list(reversed(req.rows[leaf.leaf_id]))
+            self._retain(self._pools[r][leaf.leaf_id], pages, req.ctx)  # spec/manager.md §14.2
+            self._pools[r][leaf.leaf_id].free(pages)
         if self._uses_connector and req.committed:
-            self._connector.touch(req.hashes[: req.committed], r)
+            self._tier_touch(r, req.hashes[: req.committed])
+            self._tier_retain(r, req.hashes[: req.committed], req.ctx)  # spec/manager.md §14.9
 
     # ================================================================== allocation
 
@@ -435,8 +676,10 @@ class PagedKVCacheManager:
         Drains finished transfers first. At the reuse point (the request holds
         no pages and ``processed_length == 0``) the joint device hit is spliced
         in (``ctx.skip_processing``), then every row grows to exactly
-        ``ceil(current_position / page_size)`` blocks, then the external stage
-        may load more blocks from the connector into the fresh pages.
+        ``ceil(current_position / page_size)`` blocks (with speculative
+        decoding ``ceil(seq_len / page_size)``, MAX's draft slack included, and
+        a speculating row past it shrinks: spec/manager.md §15), then the
+        external stage may load more blocks from the connector into the fresh pages.
 
         Parameters
         ----------
@@ -455,7 +698,8 @@ class PagedKVCacheManager:
         Raises
         ------
         TypeError, ValueError
-            Bad argument, unclaimed, ``len(ctx) > max_seq_len``.
+            Bad argument, unclaimed, ``len(ctx) > max_seq_len``, a draft list that is
+            not a list or is longer than ``num_draft_tokens`` (spec/manager.md §15.4).
         RuntimeError
             A forward ran past a failed load (chained from ``KVLoadFailed``).
         InsufficientBlocksError
@@ -468,9 +712,15 @@ class PagedKVCacheManager:
                 and req.rows[self._anchor.leaf_id]):
             # spec/manager.md §4 for a request past its admission (it holds pages, no load, no external
             # stage due): the drain (step 2), the sizing (step 6) and the count (step 9) only.
+            if ctx._spec_decoding_state is not None:
+                self._check_drafts("alloc", ctx)  # spec/manager.md §15: arguments before the drain
             if self._loads or self._offloads:
                 self._drain()
-            return self._grow(req, ctx)
+            try:
+                return self._grow(req, ctx)
+            except _AwaitOffloads as wait:
+                self._settle_offloads(wait)
+            return self.alloc(ctx)  # spec/manager.md §4 step 6: sized again after the wait
         op = "alloc"
         self._check_open(op)
         # spec/manager.md §4.1: every argument is checked before the stored context may be replaced.
@@ -478,16 +728,27 @@ class PagedKVCacheManager:
             raise TypeError(f"alloc: defer_lookup={defer_lookup!r}, must be a bool")
         req = self._req(op, ctx)
         self._check_len(op, ctx)
+        self._check_drafts(op, ctx)
         if req.dummy:
             return self._size_dummy(req)
         if self._loads or self._offloads:
             self._drain()  # spec/manager.md §9.2: finished transfers land before anything is sized.
         if req.load is not None and req.load.state == "failed" and req.ran_past:
             raise RuntimeError(
-                f"alloc: request_id={ctx.request_id!r} ran past a failed load of {len(req.load.pages)} blocks "
+                f"alloc: request_id={ctx.request_id!r} ran past a failed load of {req.load.blocks} blocks "
                 f"at block {req.load.start}; release it and recompute"
             ) from req.load.error
-        plan = self._plan_alloc(req, ctx, defer_lookup)  # spec/manager.md §4: every check; nothing changes
+        try:
+            plan = self._plan_alloc(req, ctx, defer_lookup)  # spec/manager.md §4: every check; nothing changes
+        except _AwaitOffloads as wait:
+            self._settle_offloads(wait)
+            return self.alloc(ctx, defer_lookup=defer_lookup)  # spec/manager.md §4 step 6: sized again
+        if plan.tier_hit is not None:
+            # spec/manager.md §9.8: round 1 (the device part and the sizing) keeps the tiers' answer;
+            # round 2 posts the load into the pages round 1 drew.
+            self._commit_alloc(req, ctx, plan)
+            req.lookup = plan.tier_hit
+            return self._commit_alloc(req, ctx, self._plan_alloc(req, ctx, False))
         return self._commit_alloc(req, ctx, plan)  # nothing below can fail
 
     def _grow(self, req: _Request, ctx: TextContext) -> KVTransfer:
@@ -504,13 +765,17 @@ class PagedKVCacheManager:
                 n = required - len(row)
             if n > 0:
                 free = pools[leaf.leaf_id].num_free
-                if n > free:
-                    raise InsufficientBlocksError(
-                        f"alloc: request_id={ctx.request_id!r} needs {n} blocks of leaf {leaf.leaf_id!r}, "
-                        f"{free} free or evictable on replica {req.replica}"
-                    )
+                if n > free and not self._slabs:  # a slab's leaves are checked jointly, below
+                    self._raise_short(ctx, req.replica, leaf.leaf_id, n, free)
                 need.append((leaf, row, n))
+            elif n < 0 and self._drafts and not leaf.is_recurrent:
+                need.append((leaf, row, n))  # spec/manager.md §15: drafts past the need roll back
+        if self._slabs:
+            self._check_slab(ctx, req.replica, {leaf.leaf_id: n for leaf, _, n in need if n > 0}, None)
         for leaf, row, n in need:
+            if n < 0:
+                self._trim(req, leaf, row, required)
+                continue
             pool = pools[leaf.leaf_id]
             if n == 1:
                 row.append(pool.allocate_one())
@@ -526,6 +791,28 @@ class PagedKVCacheManager:
         req.counted_gen, req.counted_active = req.step_gen, active
         return _DONE
 
+    def _trim(self, req: _Request, leaf: Leaf, row: list[int], required: int) -> None:
+        """spec/manager.md §15: free a speculating row's pages past ``required`` blocks, tail
+        first; they lie past ``processed_length``, so they are never published (front of the free list)."""
+        self._pools[req.replica][leaf.leaf_id].free(list(reversed(row[required:])))
+        del row[required:]
+
+    def _check_slab(self, ctx: TextContext, r: int, need: dict[str, int], taken) -> None:
+        """spec/manager.md §13.3: the leaves' new pages come from one slab, so they are checked
+        together (MAX's ``can_satisfy_demand``) after the hit pages in ``taken`` left the free lists;
+        the message names the first leaf, in leaf order, the huge blocks left cannot serve."""
+        short = self._slabs[r].shortfall(need, taken)
+        if short is not None:
+            lid, n, free = short
+            message = (f"alloc: request_id={ctx.request_id!r} needs {n} blocks of leaf {lid!r}, "
+                       f"{free} free or evictable on replica {r}")
+            # spec/manager.md §4 step 6: which huge blocks the offloads' pages would park is known only
+            # once they land, so with a slab any page only in-flight offloads hold is worth the wait.
+            if self._offloads and any(self._offload_only_pages(r, leaf.leaf_id).difference((taken or {}).get(
+                    leaf.leaf_id, ())) for leaf in self._leaves):
+                raise _AwaitOffloads(r, message)
+            raise InsufficientBlocksError(message)
+
     def _at_reuse_point(self, req: _Request, ctx: TextContext) -> bool:
         # spec/manager.md §3.3: reuse only while the request holds no pages and nothing is processed.
         return (
@@ -535,16 +822,16 @@ class PagedKVCacheManager:
         )
 
     def _plan_alloc(self, req: _Request, ctx: TextContext, defer_lookup: bool) -> _AllocPlan:
-        """spec/manager.md §4 steps 4-8 decided without changing anything: the splice (§4.5, with
-        the peer-held part of §7.3), the sizing (``InsufficientBlocksError`` here), the
-        connector's lookup and the post of the load (§9.3). Validate first, then commit: no
+        """spec/manager.md §4 steps 4-8 decided without changing anything: the splice
+        (spec/manager.md §4.5 and §7.3: the peer-held part), the sizing (``InsufficientBlocksError`` here), the
+        connector's lookup and the post of the load (spec/manager.md §9.3). Validate first, then commit: no
         snapshot of the pools is ever taken."""
         r, page = req.replica, self._page
         pools = self._pools[r]
         plan = _AllocPlan()
         plan.undo_load = req.load is not None and req.load.state == "failed"
         committed = req.load.start if plan.undo_load else req.committed
-        processed = ctx.processed_length - (len(req.load.pages) * page if plan.undo_load else 0)
+        processed = ctx.processed_length - (req.load.blocks * page if plan.undo_load else 0)
         ext_point, hashes = req.ext_point, req.hashes
         touched: dict[str, set[int]] = {}  # leaf -> hit pages the splice takes
         pops: list[int] = []  # pages the peer copies draw, in order (spec/manager.md §7.3)
@@ -568,7 +855,9 @@ class PagedKVCacheManager:
                 row = [NULL_BLOCK] * lo + resident[lid].pages(lo, k)
                 plan.rows[lid], plan.nulled[lid] = row, lo
                 touched[lid].update(row[lo:])
-            if reach > local:
+            if reach > local and not self._simple:
+                k = self._plan_peer_leaves(ctx, r, plan, touched, resident, hashes, tokens, local, reach)
+            elif reach > local:
                 # spec/manager.md §7.3: past the local run a block is taken locally (after a hole) or copied
                 # from a peer into a fresh page, best effort: a copy needs a free local page.
                 pool, row, held = pools[self._conn_leaf], plan.rows[self._conn_leaf], touched[self._conn_leaf]
@@ -594,7 +883,8 @@ class PagedKVCacheManager:
         required = self._required_blocks(ctx)
         for leaf in self._leaves:
             lid, pool = leaf.leaf_id, pools[leaf.leaf_id]
-            have = len(plan.rows[lid]) if lid in plan.rows else len(req.rows[lid])
+            # (a row slot a peer copy fills is None until the sizing draws its page, spec/manager.md §7.3)
+            have = len(plan.rows[lid]) - plan.rows[lid].count(None) if lid in plan.rows else len(req.rows[lid])
             if leaf.is_recurrent:
                 n = (0 if have else 1) + (1 if self._caching and have < 2 else 0)
             else:
@@ -604,12 +894,11 @@ class PagedKVCacheManager:
                 free -= pool.count_free(list(touched[lid]))
             if lid == self._conn_leaf:
                 free -= len(pops)
-            if n > free:
-                raise InsufficientBlocksError(
-                    f"alloc: request_id={ctx.request_id!r} needs {n} blocks of leaf {lid!r}, "
-                    f"{free} free or evictable on replica {r}"
-                )
+            if n > free and not self._slabs:  # a slab's leaves are checked jointly, below
+                self._raise_short(ctx, r, lid, n, free, touched.get(lid, ()))
             plan.need[lid] = n
+        if self._slabs:
+            self._check_slab(ctx, r, plan.need, touched)
         # spec/manager.md §9.3: the external stage, when due; its lookup and the load's post happen here, so a
         # bad answer or an unexpected error of the connector leaves the state as after the drain.
         if (self._uses_connector and ext_point and not req.skip_connector and processed == committed * page
@@ -618,7 +907,8 @@ class PagedKVCacheManager:
                 plan.lookup_pending = True  # spec/manager.md §9.4: awaits start_lookup and the next alloc
             else:
                 plan.ext_ran = True
-                self._plan_load(req, ctx, plan, committed, processed, hashes, touched, pops)
+                (self._plan_load if self._simple else self._plan_leaf_load)(
+                    req, ctx, plan, committed, processed, hashes, touched, pops)
         return plan
 
     def _plan_load(self, req, ctx, plan, k, processed, hashes, touched, pops) -> None:
@@ -675,8 +965,15 @@ class PagedKVCacheManager:
                 if local > plan.nulled[lid]:
                     pool.touch_many(row[plan.nulled[lid] : local])
                 req.rows[lid], req.nulled[lid] = row, plan.nulled[lid]
+            for leaf in (self._paged_leaves if plan.leaf_peer or not self._simple else ()):
+                # spec/manager.md §7.3 with several leaves: blocks past the local hit held locally
+                # are taken; the slots a peer copy fills (None) get the sizing's first pages below.
+                row, pool = req.rows[leaf.leaf_id], pools[leaf.leaf_id]
+                for i in range(max(local, plan.nulled[leaf.leaf_id]), k):
+                    if row[i] is not None:
+                        pool.touch(row[i])
             pool, row = pools[self._conn_leaf], req.rows[self._conn_leaf]
-            for i in range(local, k):  # spec/manager.md §7.3: the peer-held part, in block order
+            for i in range(local, k) if self._simple else ():  # spec/manager.md §7.3: the peer-held part
                 src = plan.peer.get(i)
                 if src is None:
                     pool.touch(row[i])
@@ -685,7 +982,7 @@ class PagedKVCacheManager:
                 pool.publish(row[i], hashes[i], self._block_tokens(ctx.tokens, i))
                 copies.append(("peer", src[0], src[1], row[i]))
                 m.cross_replica_blocks_copied += 1
-                m.cross_replica_bytes_copied += self._params.page_bytes(self._conn_leaf)
+                m.cross_replica_bytes_copied += self._params.kv_page_bytes  # spec/manager.md §16: values + scales
             req.hashes, req.committed = hashes, k
             if k:
                 ctx.skip_processing(k * page)
@@ -694,13 +991,27 @@ class PagedKVCacheManager:
             m.cache_tokens += k * page
             m.device_blocks_served += k
             req.ext_point = True
+        if self._drafts:  # spec/manager.md §15: rows past the need (rejected drafts) shrink, tail first
+            required = self._required_blocks(ctx)
+            for leaf in self._paged_leaves:
+                row = req.rows[leaf.leaf_id]
+                if len(row) > required:
+                    self._trim(req, leaf, row, required)
         for leaf in self._leaves:  # spec/manager.md §4.6: the sizing's pages
             n = plan.need[leaf.leaf_id]
             if not n:
                 continue
             row = req.rows[leaf.leaf_id]
             pages = [pools[leaf.leaf_id].allocate_one()] if n == 1 else pools[leaf.leaf_id].allocate(n)
-            if leaf.is_recurrent and not row:
+            if plan.leaf_peer:
+                pages = self._fill_peer_slots(req, ctx, leaf, row, pages, plan, copies)
+            if leaf.is_recurrent and not row and leaf.leaf_id in plan.restore_peer:
+                # spec/manager.md §7.3: a peer's checkpoint into the new live page
+                src_r, src = plan.restore_peer[leaf.leaf_id]
+                copies.append(("leafpeer", (leaf.leaf_id, src_r), src, pages[0]))
+                m.cross_replica_blocks_copied += 1
+                m.cross_replica_bytes_copied += self._params.page_bytes(leaf.leaf_id)
+            elif leaf.is_recurrent and not row:
                 src = req.restore.get(leaf.leaf_id)
                 copies.append(("restore", leaf.leaf_id, src if src is not None else NULL_BLOCK, pages[0]))
             row.extend(pages)
@@ -718,7 +1029,7 @@ class PagedKVCacheManager:
         if self._uses_connector and device_hit and (plan.splice or req.committed > device_hit):
             # spec/manager.md §4.8, spec/tiers.md §3: the device hit is re-ranked after the load
             # ranked the loaded blocks, so the chain's head ends most recent in the tiers.
-            self._connector.touch(req.hashes[:device_hit], r)
+            self._tier_touch(r, req.hashes[:device_hit])
         transfer: KVTransfer = _DONE
         if req.load is not None and req.load.state == "pending":
             transfer = req.load.handle  # spec/manager.md §4: a repeated alloc returns the load still in flight
@@ -730,12 +1041,36 @@ class PagedKVCacheManager:
         req.counted_gen, req.counted_active = req.step_gen, ctx.active_length
         return transfer
 
+    def _fill_peer_slots(self, req, ctx, leaf, row, pages, plan, copies) -> list[int]:
+        """spec/manager.md §7.3 with several leaves: the sizing's first pages fill the row slots peer
+        copies take (block order), each published locally and copied; returns the rest."""
+        if leaf.is_recurrent:
+            return pages
+        lid, pool, m = leaf.leaf_id, self._pools[req.replica][leaf.leaf_id], self._metrics
+        holes = [i for i, b in enumerate(row) if b is None]
+        for i, b in zip(holes, pages):
+            row[i] = b
+            pool.publish(b, req.hashes[i], self._block_tokens(ctx.tokens, i))
+            src_r, src = plan.leaf_peer[(lid, i)]
+            copies.append(("leafpeer", (lid, src_r), src, b))
+            m.cross_replica_blocks_copied += 1
+            m.cross_replica_bytes_copied += self._params.kv_page_bytes
+        return pages[len(holes):]
+
     def _run_copies(self, req: _Request, copies: list) -> None:
         """Byte copies of an alloc, run only once nothing can fail any more (spec/manager.md §4.7)."""
         r, eng = req.replica, self._engine
         for kind, a, src, dst in copies if self._holds_bytes else ():  # spec/manager.md §1.5: no bytes, no copies
+            if kind == "leafpeer":  # spec/manager.md §7.3: a page of leaf a[0] from replica a[1]
+                lid, src_r = a
+                eng.copy_page(self._buffers[r][lid], dst, self._buffers[src_r][lid], src)
+                if self._scales[r].get(lid) is not None:  # a page's scales travel with its values
+                    eng.copy_page(self._scales[r][lid], dst, self._scales[src_r][lid], src)
+                continue
             if kind == "peer":
                 eng.copy_page(self._buffers[r][self._conn_leaf], dst, self._buffers[a][self._conn_leaf], src)
+                if self._scales_shape:  # spec/manager.md §16: a page's scales travel with its values
+                    eng.copy_page(self._scales[r][self._conn_leaf], dst, self._scales[a][self._conn_leaf], src)
             else:
                 buf = self._buffers[r][a]
                 if src == NULL_BLOCK:
@@ -791,7 +1126,7 @@ class PagedKVCacheManager:
 
     def _splice_load(self, req: _Request, ctx: TextContext, load: _Load, done: bool) -> None:
         """spec/manager.md §9.3: the posted load's blocks join the hit; published now if complete, else pinned."""
-        n, page, m = len(load.pages), self._page, self._metrics
+        n, page, m = load.blocks, self._page, self._metrics
         ctx.skip_processing(n * page)
         req.committed = load.start + n
         ctx.cached_prefix_length = (load.start + n) * page
@@ -802,6 +1137,8 @@ class PagedKVCacheManager:
             load.state = "landed"
             self._publish_loaded(load)
             return
+        if load.leaf_pages is not None:
+            self._pin_leaves(load.replica, load.leaf_pages)  # spec/manager.md §9.8
         pool = self._pools[load.replica][self._conn_leaf]
         for b in load.pages:
             pool.touch(b)
@@ -811,7 +1148,10 @@ class PagedKVCacheManager:
         self._loads.append(load)
 
     def _lookup(self, op: str, r: int, hashes: list[bytes], tokens: np.ndarray, k: int) -> int:
-        """The connector's answer for the blocks after ``k`` (``TypeError`` unless an int >= 0)."""
+        """The connector's answer for the blocks after ``k`` (``TypeError`` unless an int >= 0); with
+        several leaves, the joint hit over device and tiers past ``k`` (spec/manager.md §9.8)."""
+        if not self._simple:
+            return self._tier_hit(op, r, hashes, tokens, k, len(hashes)) - k
         toks = np.array(tokens[k * self._page : len(hashes) * self._page], dtype=np.int32)
         n = self._connector.lookup(hashes[k:], toks.reshape(-1, self._page), r)
         if not _is_int(n) or n < 0:
@@ -820,6 +1160,9 @@ class PagedKVCacheManager:
 
     def _publish_loaded(self, load: _Load) -> None:
         """Publish a landed load's pages; swap a live request to an existing twin."""
+        if load.leaf_pages is not None:
+            self._publish_leaf_load(load)  # spec/manager.md §9.8
+            return
         pool = self._pools[load.replica][self._conn_leaf]
         req = self._requests.get(load.request_id) if load.request_id is not None else None
         row = req.rows[self._conn_leaf] if req is not None else None
@@ -834,7 +1177,9 @@ class PagedKVCacheManager:
             if pool.block_hash[kept] != h:
                 break
 
-    def _unpin(self, r: int, pages: list[int]) -> None:
+    def _unpin(self, r: int, pages: list[int], leaf_pages: dict[str, list[int]] | None = None) -> None:
+        if leaf_pages:
+            self._unpin_leaves(r, leaf_pages)  # spec/manager.md §9.8
         pins = self._pins[r]
         for b in pages:
             pins[b] -= 1
@@ -845,7 +1190,7 @@ class PagedKVCacheManager:
     def _undo_failed_load(self, req: _Request, ctx: TextContext) -> None:
         """spec/manager.md §9.6: re-take only the device hit after a load failed post-splice."""
         load = req.load
-        n = len(load.pages)
+        n = load.blocks
         ctx.rewind_processing(n * self._page)
         req.committed = load.start
         ctx.cached_prefix_length = load.start * self._page
@@ -853,6 +1198,224 @@ class PagedKVCacheManager:
         self._metrics.cache_tokens -= n * self._page
         self._metrics.external_blocks_served -= n
         req.load = None
+
+    # ================================================================== tiers for every leaf kind
+
+    def _leaf_unit_stores(self, stores: list) -> list:
+        """spec/tiers.md §12: one ``LeafUnitStore`` per replica over every leaf's pages (the
+        connector leaf's ``stores[r]`` first), or a ``BookkeepingPageStore`` of as many units."""
+        order = self._unit_order
+        if self._holds_bytes:
+            out = []
+            for r in range(self._dp):
+                per = [stores[r]]
+                for leaf in order[1:]:
+                    buf = self._store_buffer(r, leaf.leaf_id)
+                    scales = self._scales[r].get(leaf.leaf_id) if not leaf.is_recurrent else None
+                    per.append(ScaledPageStore(self._engine.page_store(buf), self._engine.page_store(scales))
+                               if scales is not None else self._engine.page_store(buf))
+                out.append(LeafUnitStore(per))
+            units, bases = out[0].units, out[0].bases
+        else:
+            unit = stores[0].page_nbytes
+            units = [1] + [-(-self._params.page_bytes(leaf.leaf_id) // unit) if leaf.is_recurrent else 1
+                           for leaf in order[1:]]
+            bases = [0]
+            for leaf, u in zip(order, units):
+                bases.append(bases[-1] + self._leaf_pages(leaf) * u)
+            out = [BookkeepingPageStore(bases.pop(), unit) for _ in range(self._dp)]
+        self._units = {leaf.leaf_id: u for leaf, u in zip(order, units)}
+        self._unit_base = {leaf.leaf_id: b for leaf, b in zip(order, bases)}
+        return out
+
+    def _leaf_keys(self, lid: str, h: bytes) -> list[bytes]:
+        """spec/tiers.md §12: the tier keys of leaf ``lid``'s page of block hash ``h``, one per unit."""
+        if lid == self._plain_leaf:
+            return [h]
+        tag, algo = self._leaf[lid].tier_tag, self._params.hash_algo
+        return [leaf_block_key(h, tag, j, algo) for j in range(self._units[lid])]
+
+    def _leaf_unit_ids(self, lid: str, page: int) -> list[int]:
+        """spec/tiers.md §12: the unit ids of leaf ``lid``'s page in the connector's store."""
+        u = self._units[lid]
+        first = self._unit_base[lid] + page * u
+        return list(range(first, first + u))
+
+    def _unit_args(self, items, hashes: list[bytes], tokens: np.ndarray, first: int):
+        """``(unit ids, keys, int32 tokens [n_units, page])`` of ``items`` = ``[(leaf_id, block, page)]``;
+        block ``i``'s hash is ``hashes[i - first]`` and its tokens ``tokens[i - first]``."""
+        ids, keys, rows = [], [], []
+        for lid, i, b in items:
+            us = self._leaf_unit_ids(lid, b)
+            ids += us
+            keys += self._leaf_keys(lid, hashes[i - first])
+            rows += [i - first] * len(us)
+        toks = np.asarray(tokens, dtype=np.int32).reshape(-1, self._page)[rows] if rows else \
+            np.zeros((0, self._page), np.int32)
+        return ids, keys, toks
+
+    def _asked(self, op: str, r: int, keys: list[bytes], toks: np.ndarray) -> int:
+        """``connector.lookup`` with its answer checked (``TypeError`` unless an int >= 0)."""
+        n = self._connector.lookup(keys, toks, r)
+        if not _is_int(n) or n < 0:
+            raise TypeError(f"{op}: connector.lookup returned {n!r}, must be an int >= 0")
+        return int(n)
+
+    def _tier_hit(self, op: str, r: int, hashes: list[bytes], tokens, k: int, cap: int) -> int:
+        """spec/manager.md §9.8: the joint hit ``k' >= k`` over the blocks the request holds
+        (below ``k``) and the blocks the tiers hold (every unit of the leaf's page, tokens equal)."""
+        if cap <= k:
+            return k
+        page = self._page
+
+        def block_tokens(i: int) -> np.ndarray:
+            return np.asarray(tokens[i * page : (i + 1) * page], dtype=np.int32)
+
+        def asker(lid: str):
+            def ask(i: int) -> bool:
+                keys = self._leaf_keys(lid, hashes[i])
+                return self._asked(op, r, keys, np.repeat(block_tokens(i)[None], len(keys), 0)) >= len(keys)
+            return ask
+
+        def run_from(k0: int, k1: int) -> int:  # the plain leaf: one batched lookup of its run
+            toks = np.asarray(tokens[k0 * page : k1 * page], dtype=np.int32).reshape(k1 - k0, page)
+            return min(self._asked(op, r, hashes[k0:k1], toks), k1 - k0)
+
+        resident = {leaf.leaf_id: ExtendedResidency(k, asker(leaf.leaf_id),
+                                                    run_from if leaf.leaf_id == self._plain_leaf else None)
+                    for leaf in self._leaves}
+        return max(k, joint_hit(self._leaves, cap, resident))
+
+    def _plan_leaf_load(self, req, ctx, plan, k, processed, hashes, touched, pops) -> None:
+        """spec/manager.md §9.8: ``_plan_load`` for a manager with several leaves: the joint hit over
+        device and tiers, then one load of each leaf's missing blocks (full: all of them; sliding: the
+        window's; recurrent: the checkpoint at the hit, into the successor page)."""
+        r, page = req.replica, self._page
+        cap = k + min(len(hashes) - k, (ctx.current_position - processed - 1) // page)
+        if req.lookup is not None and req.lookup[0] == k and k + req.lookup[1] <= cap:
+            k2 = k + req.lookup[1]  # the held answer is the joint hit (start_lookup, or round 1)
+        elif req.lookup is not None:
+            start, held = req.lookup
+            k2 = self._tier_hit("alloc", r, hashes, ctx.tokens, k, min(cap, start + held) if start <= k else k)
+        else:
+            k2 = self._tier_hit("alloc", r, hashes, ctx.tokens, k, cap)
+        if k2 <= k:
+            return
+        if any(plan.need.values()):
+            # The sizing has not drawn the destination pages yet: this alloc posts the load in a second
+            # round, once they are the request's (spec/manager.md §9.8).
+            plan.ext_ran, plan.tier_hit = False, (k, k2 - k)
+            return
+        items, leaf_pages, leaf_blocks = [], {}, {}
+        for leaf in self._leaves:
+            lid = leaf.leaf_id
+            blocks = leaf.needed_blocks(k, k2)
+            row = plan.rows[lid] if lid in plan.rows else req.rows[lid]  # sized: every page is the request's
+            # recurrent: the successor page receives the checkpoint (the live page keeps the device state)
+            dest = [row[1]] if leaf.is_recurrent else [row[i] for i in blocks]
+            leaf_pages[lid], leaf_blocks[lid] = dest, blocks
+            items += [(lid, i, b) for i, b in zip(blocks, dest)]
+        toks = np.array(ctx.tokens[k * page : k2 * page], dtype=np.int32).reshape(k2 - k, page)
+        ids, keys, utoks = self._unit_args(items, hashes[k:k2], toks, k)
+        try:
+            handle = self._connector.load(ids, keys, utoks, r)
+            done = handle.is_complete()
+        except KVLoadRefused:
+            return  # spec/manager.md §9.3: a clean miss (the connector counts it)
+        except KVLoadFailed:
+            plan.load_failed = True  # spec/manager.md §9.3: a miss at the device hit, skip the connector
+            return
+        plan.load = _Load(r, ctx.request_id, k, [], list(hashes[k:k2]), toks, handle,
+                          leaf_pages=leaf_pages, leaf_blocks=leaf_blocks, nblocks=k2 - k)
+        plan.load_done = done
+
+    def _pin_leaves(self, r: int, leaf_pages: dict[str, list[int]]) -> None:
+        pins = self._leaf_pins[r]
+        for lid, pages in leaf_pages.items():
+            pool = self._pools[r][lid]
+            for b in pages:
+                pool.touch(b)
+                pins[(lid, b)] += 1
+
+    def _unpin_leaves(self, r: int, leaf_pages: dict[str, list[int]]) -> None:
+        pins = self._leaf_pins[r]
+        for lid, pages in leaf_pages.items():
+            for b in pages:
+                pins[(lid, b)] -= 1
+                if not pins[(lid, b)]:
+                    del pins[(lid, b)]
+            self._pools[r][lid].free(pages[::-1])  # spec/manager.md §9.2: tail first
+
+    def _publish_leaf_load(self, load: _Load) -> None:
+        """spec/manager.md §9.8: a landed load's full/sliding pages are published (twin dedup, the chain
+        stops at a collision); a recurrent checkpoint loaded into the successor becomes the live state."""
+        req = self._requests.get(load.request_id) if load.request_id is not None else None
+        for lid, pages in load.leaf_pages.items():
+            leaf, pool = self._leaf[lid], self._pools[load.replica][lid]
+            row = req.rows[lid] if req is not None else None
+            if leaf.is_recurrent:
+                if row is not None and len(row) == 2 and row[1] == pages[0]:
+                    row.reverse()  # [loaded state, old live page as the next successor]
+                continue
+            for i, b in zip(load.leaf_blocks[lid], pages):
+                h, toks = load.hashes[i - load.start], load.tokens[i - load.start]
+                if row is not None and row[i] == b:
+                    kept = row[i] = self._publish_or_twin(pool, b, h, toks)
+                else:
+                    kept = pool.publish(b, h, toks)
+                if pool.block_hash[kept] != h:
+                    break
+
+    def _post_leaf_offload(self, r: int, hashes: list[bytes], toks: np.ndarray) -> None:
+        """spec/manager.md §9.8: offload one committed run of every leaf: the full leaf's run up to
+        its first evicted hash, each sliding page and recurrent checkpoint still published."""
+        pools, items, leaf_pages = self._pools[r], [], {}
+        flat = toks.reshape(-1)
+        for leaf in self._leaves:
+            lid, pool = leaf.leaf_id, pools[leaf.leaf_id]
+            if leaf.kind is LeafKind.FULL:
+                found = list(enumerate(pool.lookup_run(hashes, flat)))
+            else:
+                found = [(j, b) for j, h in enumerate(hashes) if (b := pool.lookup(h, toks[j])) is not None]
+            if found:
+                leaf_pages[lid] = [b for _, b in found]
+                items += [(lid, j, b) for j, b in found]
+        if not items:
+            return
+        self._pin_leaves(r, leaf_pages)
+        ids, keys, utoks = self._unit_args(items, hashes, toks, 0)
+        try:
+            handle = self._connector.offload(ids, keys, utoks, r)
+            done = handle.is_complete()
+        except Exception:
+            self._metrics.connector_offload_blocks_dropped += len(ids)
+            done = True
+        if done:
+            self._unpin_leaves(r, leaf_pages)
+        else:
+            self._offloads.append(_Offload(r, [], handle, leaf_pages))
+
+    def _tier_touch(self, r: int, hashes: list[bytes]) -> None:
+        """``connector.touch`` of a root-anchored run: with several leaves, every leaf's keys of it
+        (spec/tiers.md §12), each leaf's run root-anchored."""
+        if self._simple:
+            self._connector.touch(hashes, r)
+            return
+        keys = []
+        for leaf in self._leaves:
+            for h in hashes:
+                keys += self._leaf_keys(leaf.leaf_id, h)
+        self._connector.touch(keys, r)
+
+    def _tier_retain(self, r: int, hashes: list[bytes], ctx: TextContext) -> None:
+        """The request's retention claim on its committed run in the tiers (spec/tiers.md §3.1),
+        when the connector takes claims (``set_retention`` is optional in ``KVConnector``)."""
+        set_retention = getattr(self._connector, "set_retention", None)
+        if set_retention is None:
+            return
+        keys = hashes if self._simple else [k for leaf in self._leaves for h in hashes
+                                             for k in self._leaf_keys(leaf.leaf_id, h)]
+        set_retention(keys, ctx._retention_priority, ctx._retention_seconds, r)
 
     # ================================================================== deferred lookups
 
@@ -1014,6 +1577,13 @@ class PagedKVCacheManager:
             toks = np.array(tokens[: (stop - lo) * page], dtype=np.int32).reshape(stop - lo, page)
             self._offload_queue[r].append((hashes[lo:stop], toks))
 
+    def _retain(self, pool, pages, ctx: TextContext) -> None:
+        """spec/manager.md §14.2: merge the request's retention claim into its published ``pages``."""
+        if self._caching and len(pages):
+            # A slab leaf's view (spec/manager.md §13) keeps its pages' order in its inner pool.
+            target = pool if hasattr(pool, "set_retention") else pool.inner
+            target.set_retention(pages, ctx._retention_priority, expiry_of(ctx._retention_seconds, self._clock))
+
     def _parent_published(self, req: _Request, i: int) -> bool:
         """spec/manager.md §5.1: block ``i`` may be published, or switched to a twin, only
         when its parent is: the anchor leaf's page ``i - 1`` is the published page of
@@ -1057,6 +1627,7 @@ class PagedKVCacheManager:
                 buf = self._buffers[req.replica][leaf.leaf_id]
                 self._engine.copy_page(buf, succ, buf, live)
             pool.publish(live, h, toks)
+            self._retain(pool, [live], ctx)  # spec/manager.md §14.2
             pool.free([live])
             req.rows[leaf.leaf_id] = [succ]
 
@@ -1068,6 +1639,7 @@ class PagedKVCacheManager:
                 continue
             row = req.rows[leaf.leaf_id]
             # spec/manager.md §5.3: freed tail first, nulled in place (row index = same tokens in every leaf).
+            self._retain(self._pools[req.replica][leaf.leaf_id], row[lo:cut], ctx)  # spec/manager.md §14.2
             self._pools[req.replica][leaf.leaf_id].free(list(reversed(row[lo:cut])))
             row[lo:cut] = [NULL_BLOCK] * (cut - lo)
             req.nulled[leaf.leaf_id] = cut
@@ -1087,7 +1659,7 @@ class PagedKVCacheManager:
         if done:
             load.state = "landed"
             self._publish_loaded(load)
-            self._unpin(load.replica, load.pages)
+            self._unpin(load.replica, load.pages, load.leaf_pages)
             self._loads.remove(load)
             req = self._requests.get(load.request_id) if load.request_id else None
             if req is not None and req.load is load:
@@ -1096,7 +1668,7 @@ class PagedKVCacheManager:
 
     def _fail_load(self, load: _Load, err: BaseException, count: bool = True) -> None:
         load.state, load.error = "failed", err
-        self._unpin(load.replica, load.pages)
+        self._unpin(load.replica, load.pages, load.leaf_pages)
         self._loads.remove(load)
         if count:
             self._metrics.connector_load_failures += 1
@@ -1105,6 +1677,54 @@ class PagedKVCacheManager:
             req.skip_connector = True
             if req.stepped_during_load:
                 req.ran_past = True
+
+    def _raise_short(self, ctx: TextContext, r: int, lid: str, n: int, free: int, taken=()) -> None:
+        """spec/manager.md §4 step 6: leaf ``lid`` of replica ``r`` has ``free`` pages for ``n``. Pages
+        held only by in-flight offloads (not by a row, a load or the hit in ``taken``) count as
+        evictable: when they close the gap, ``_AwaitOffloads`` makes ``alloc`` wait for those
+        offloads and size again; otherwise ``InsufficientBlocksError``, nothing changed."""
+        message = (f"alloc: request_id={ctx.request_id!r} needs {n} blocks of leaf {lid!r}, "
+                   "{} free or evictable on replica " f"{r}")
+        if self._offloads and lid == self._conn_leaf:
+            extra = len(self._offload_only_pages(r, lid).difference(taken))
+            if extra and n <= free + extra:
+                raise _AwaitOffloads(r, message.format(free))
+            free += extra
+        raise InsufficientBlocksError(message.format(free))
+
+    def _offload_only_pages(self, r: int, lid: str) -> set[int]:
+        """Pages of leaf ``lid`` of replica ``r`` that only in-flight offloads hold: free or evictable
+        once those complete. O(pages of the replica's rows); only a short sizing asks."""
+        def of(t) -> list[int]:  # a transfer's pages of leaf lid (spec/manager.md §9.8: per leaf)
+            if t.leaf_pages is not None:
+                return t.leaf_pages.get(lid, [])
+            return t.pages if lid == self._conn_leaf else []
+
+        pages = {b for off in self._offloads if off.replica == r for b in of(off)}
+        for ld in self._loads:
+            if ld.replica == r:
+                pages.difference_update(of(ld))
+        for q in self._requests.values():
+            if q.replica == r and not q.dummy:
+                pages.difference_update(q.rows[lid])
+                if q.load is not None:
+                    pages.difference_update(of(q.load))
+        return pages
+
+    def _settle_offloads(self, wait: _AwaitOffloads) -> None:
+        """spec/manager.md §4 step 6: wait (``synchronize``) for replica ``wait.replica``'s in-flight
+        offloads, then drain: their sources are unpinned. A handle that still reports incomplete
+        after ``synchronize`` (a connector bug) ends in ``InsufficientBlocksError``, not a retry loop."""
+        r = wait.replica
+        waiting = [off for off in self._offloads if off.replica == r]
+        for off in waiting:
+            try:
+                off.handle.synchronize()
+            except Exception:  # the drain sees it through is_complete and counts the drop (spec/manager.md §9.2)
+                continue
+        self._drain()
+        if all(off in self._offloads for off in waiting):
+            raise InsufficientBlocksError(str(wait)) from None
 
     def _drain(self) -> None:
         """Land finished loads, unpin finished offloads; never blocks."""
@@ -1115,10 +1735,11 @@ class PagedKVCacheManager:
             try:
                 done = off.handle.is_complete()
             except Exception:
-                self._metrics.connector_offload_blocks_dropped += len(off.pages)
+                self._metrics.connector_offload_blocks_dropped += len(off.pages) + sum(
+                    map(len, (off.leaf_pages or {}).values()))
                 done = True
             if done:
-                self._unpin(off.replica, off.pages)
+                self._unpin(off.replica, off.pages, off.leaf_pages)
                 self._offloads.remove(off)
         if errors:
             raise errors[0]
@@ -1129,6 +1750,9 @@ class PagedKVCacheManager:
             queue, self._offload_queue[r] = self._offload_queue[r], []
             pool = self._pools[r][self._conn_leaf]
             for hashes, toks in queue:
+                if not self._simple:
+                    self._post_leaf_offload(r, hashes, toks)  # spec/manager.md §9.8: every leaf
+                    continue
                 # one batched lookup: the run's pages, up to the first evicted hash
                 pages = pool.lookup_run(hashes, toks.reshape(-1))
                 if not pages:
@@ -1172,7 +1796,7 @@ class PagedKVCacheManager:
         Raises ``TypeError`` / ``IndexError`` for a bad ``replica_idx``.
         """
         r = self._replica("pending_transfers_exist", replica_idx)
-        return bool(self._pins[r])
+        return bool(self._pins[r]) or bool(self._leaf_pins[r])
 
     def shutdown(self) -> None:
         """Post queued offloads, wait for every transfer, close the connector.
@@ -1200,7 +1824,8 @@ class PagedKVCacheManager:
     # ================================================================== queries
 
     def num_req_blocks(self, ctx: TextContext) -> int:
-        """Blocks the next forward reaches, ``ceil(current_position / page_size)``.
+        """Blocks the next forward reaches, ``ceil(current_position / page_size)`` (with speculative
+        decoding ``ceil(seq_len / page_size)``, spec/manager.md §15.3).
 
         The request's lookup-table width; works on unclaimed contexts.
         Raises ``TypeError`` for a non-TextContext.
@@ -1243,7 +1868,9 @@ class PagedKVCacheManager:
         for r in range(self._dp):
             _, dev = self._device_hit(r, hashes, tokens, len(hashes))
             ext = 0
-            if self._uses_connector and dev < len(hashes):
+            if self._uses_connector and dev < len(hashes) and not self._simple:
+                ext = self._tier_hit("get_prefix_cache_hit_counts", r, hashes, tokens, dev, len(hashes)) - dev
+            elif self._uses_connector and dev < len(hashes):
                 toks = np.array(tokens[dev * self._page : len(hashes) * self._page], dtype=np.int32)
                 ext = min(int(self._connector.lookup(hashes[dev:], toks.reshape(-1, self._page), r)),
                           len(hashes) - dev)
@@ -1254,10 +1881,13 @@ class PagedKVCacheManager:
         """``BlockCount(free, total)`` of the replica.
 
         ``total = num_blocks - 1`` (null excluded); cached-unreferenced pages
-        count as free; with several leaves, the scarcest leaf's free count.
+        count as free; with several leaves, huge blocks: ``free`` = the parked
+        ones (spec/manager.md §13.5).
         Raises ``TypeError`` / ``IndexError`` for a bad ``replica_idx``.
         """
         r = self._replica("block_count", replica_idx)
+        if self._slabs:  # spec/manager.md §13.5: huge blocks; parked ones (free or cached-unreferenced) are free
+            return BlockCount(self._slabs[r].free_huge_blocks(), self._num_blocks - 1)
         return BlockCount(min(p.num_free for p in self._pools[r].values()), self._num_blocks - 1)
 
     def pressure_pct(self, replica_idx: int = 0) -> float:
@@ -1266,8 +1896,9 @@ class PagedKVCacheManager:
         Raises ``TypeError`` / ``IndexError`` for a bad ``replica_idx``.
         """
         r = self._replica("pressure_pct", replica_idx)
-        total = self._num_blocks - 1
-        return max(100.0 * (total - p.num_free) / total for p in self._pools[r].values())
+        total = self._num_blocks - 1  # spec/manager.md §13.5: with a slab, (num_blocks - 1) * ratio pages per leaf
+        return max(100.0 * (total * self._ratios[lid] - p.num_free) / (total * self._ratios[lid])
+                   for lid, p in self._pools[r].items())
 
     def host_byte_count(self, replica_idx: int = 0) -> ByteCount:
         """Host tier occupancy (``ByteCount(0, 0)`` without one); tiers are shared by replicas."""
@@ -1282,9 +1913,11 @@ class PagedKVCacheManager:
     def get_device_buffer(self, replica_idx: int = 0):
         """The replica's page buffer (a live view) with one leaf; ``{leaf_id: buffer}`` otherwise.
 
-        Full/sliding: ``[num_blocks, 2, num_layers, page_size, kv_heads,
-        head_dim]`` of ``params.dtype``; recurrent: ``[num_blocks,
-        *state_shape]`` of its state dtype. Raises ``TypeError`` /
+        Full/sliding: ``[pages, 2, num_layers, page_size, kv_heads,
+        head_dim]`` of ``params.dtype``; recurrent: ``[pages,
+        *state_shape]`` of its state dtype (``pages = num_blocks *
+        ratio[leaf]`` with several leaves: views into the replica's slab,
+        page stride ``slab_geometry.padded_bytes[leaf]``). Raises ``TypeError`` /
         ``IndexError`` for a bad ``replica_idx``; ``RuntimeError`` in
         bookkeeping-only mode (``params.allocate_buffers=False``, spec/manager.md §1.5).
         """
@@ -1295,6 +1928,32 @@ class PagedKVCacheManager:
         if len(self._leaves) == 1:
             return self._buffers[r][self._leaves[0].leaf_id]
         return dict(self._buffers[r])
+
+    def get_device_scales_buffer(self, replica_idx: int = 0):
+        """The replica's FP8 scales buffer (a live view) with one full/sliding leaf;
+        ``{leaf_id: scales}`` over the full/sliding leaves otherwise.
+
+        ``float32 [num_blocks, 2, num_layers, kv_heads]``: one scale per (page,
+        K/V, layer, kv head), zero-filled at construction (spec/manager.md §16).
+
+        Raises
+        ------
+        TypeError, IndexError
+            A bad ``replica_idx``.
+        RuntimeError
+            ``params.dtype`` is not an FP8 dtype (no scales), or bookkeeping-only
+            mode (``params.allocate_buffers=False``) allocates none.
+        """
+        op = "get_device_scales_buffer"
+        r = self._replica(op, replica_idx)
+        if not self._scales_shape:
+            raise RuntimeError(f"{op}: params.dtype={self._params.dtype!r} keeps no scales; "
+                               "only float8_e4m3fn and float8_e5m2 pages carry them")
+        if not self._holds_bytes:
+            raise RuntimeError(f"{op}: params.allocate_buffers=False (bookkeeping-only mode) allocates no scales")
+        if len(self._paged_leaves) == 1:
+            return self._scales[r][self._paged_leaves[0].leaf_id]
+        return dict(self._scales[r])
 
     def get_metrics_aggregated(self) -> KVCacheMetrics:
         """Manager plus connector counters (a snapshot)."""
@@ -1345,7 +2004,10 @@ class PagedKVCacheManager:
             ``.inputs[r]``: a ``KVCacheInputsPerDevice`` with one leaf, a
             ``{leaf_id: KVCacheInputsPerDevice}`` dict with several.
             ``lookup_table`` uint32 [batch, cols] (null padded),
-            ``cache_lengths`` uint32 [batch] (``processed_length``).
+            ``cache_lengths`` uint32 [batch] (``processed_length``, plus
+            ``len(maybe_accepted_draft_tokens)`` with speculative decoding,
+            spec/manager.md §15.7); FP8: ``kv_scales``, ``scales_page_stride``
+            and ``scales_lookup_table`` (spec/manager.md §16.3).
 
         Raises
         ------
@@ -1409,20 +2071,23 @@ class PagedKVCacheManager:
                 if c.request_id in seen:
                     raise ValueError(f"{op}: batches[{r}][{i}] request_id={c.request_id!r} appears twice")
                 seen.add(c.request_id)
+                self._check_drafts(op, c, f"batches[{r}][{i}]")
+                reach = self._seq_len(c)
                 for lid in leaf_ids:
                     row, leaf = req.rows[lid], self._leaf[lid]
                     if leaf.is_recurrent:
                         if not row:
                             raise ValueError(f"{op}: batches[{r}][{i}] request_id={c.request_id!r} holds no state "
                                              f"page of leaf {lid!r}; alloc must be called first")
-                    elif len(row) * page < c.current_position:
+                    elif len(row) * page < reach:
+                        what = "seq_len" if self._drafts else "current_position"  # spec/manager.md §15
                         raise ValueError(
                             f"{op}: batches[{r}][{i}] request_id={c.request_id!r} holds {len(row)} blocks of leaf "
-                            f"{lid!r} ({len(row) * page} tokens) < current_position={c.current_position}; "
+                            f"{lid!r} ({len(row) * page} tokens) < {what}={reach}; "
                             "it does not have sufficient blocks, alloc must be called first")
         need = max((self._required_blocks(c) for b in batches for c in b), default=0)
         cols = lut_columns(op, need, page, max_cache_length, batches, self._max_batch_size,
-                           self._max_seq_len)  # checks (4), (5)
+                           self._max_seq_len, self._slack)  # checks (4), (5); spec/manager.md §15: the slack
 
         self._post_offloads()  # spec/manager.md §9.2: queued offloads are posted before the forward
         eng, requests = self._engine, self._requests
@@ -1431,24 +2096,47 @@ class PagedKVCacheManager:
             # what every leaf's inputs share, computed once per batch
             reqs = [requests[c.request_id] for c in batch]
             widths = [self._required_blocks(c) for c in batch]
-            lengths = eng.to_device(np.array([c.processed_length for c in batch], dtype=np.uint32))
-            longest = max((c.active_length for c in batch), default=0)
-            bound = (int(max_cache_length) if max_cache_length is not None
-                     else max((c.current_position for c in batch), default=0))
+            if self._drafts:  # spec/manager.md §15: MAX's cache_lengths and max lengths with drafts
+                drafts = [self._draft_counts(c) for c in batch]
+                lengths = eng.to_device(np.array([c.processed_length + m for c, (_, m) in zip(batch, drafts)],
+                                                 dtype=np.uint32))
+                longest = max((c.active_length + v for c, (v, _) in zip(batch, drafts)), default=0)
+                reach = max((c.current_position + v + m + self._drafts for c, (v, m) in zip(batch, drafts)),
+                            default=0)
+            else:
+                lengths = eng.to_device(np.array([c.processed_length for c in batch], dtype=np.uint32))
+                longest = max((c.active_length for c in batch), default=0)
+                reach = max((c.current_position for c in batch), default=0)
+            bound = int(max_cache_length) if max_cache_length is not None else reach
             per = {}
             for lid in leaf_ids:
                 recurrent = self._leaf[lid].is_recurrent  # spec/manager.md §8: one column, the live state page
-                lut = eng.lookup_table([q.rows[lid] for q in reqs], [1] * len(reqs) if recurrent else widths,
-                                       LUT_ALIGN if recurrent else cols)
+                lut = eng.to_device(eng.lookup_table([q.rows[lid] for q in reqs],
+                                                     [1] * len(reqs) if recurrent else widths,
+                                                     LUT_ALIGN if recurrent else cols))
+                scales = self._scales[r].get(lid)  # spec/manager.md §16: all three scale fields, or none
                 per[lid] = KVCacheInputsPerDevice(
                     kv_blocks=self._buffers[r][lid],  # None in bookkeeping-only mode (spec/manager.md §8)
-                    lookup_table=eng.to_device(lut),
+                    lookup_table=lut,
                     cache_lengths=lengths,
                     max_prompt_length=longest,
                     max_cache_length=bound,
+                    kv_scales=scales,
+                    scales_page_stride=(None if scales is None else
+                                        eng.to_device(np.array([math.prod(self._scales_shape)], np.int64))),
+                    scales_lookup_table=None if scales is None else lut,
+                    page_stride=None if lid not in self._page_strides else eng.to_device(self._page_strides[lid]),
                 )
             out.append(per)
         return out
+
+    @staticmethod
+    def _draft_counts(ctx: TextContext) -> tuple[int, int]:
+        """``(len(draft_tokens_to_verify), len(maybe_accepted_draft_tokens))`` (0, 0 without a state)."""
+        state = ctx._spec_decoding_state
+        if state is None:
+            return 0, 0
+        return len(state.draft_tokens_to_verify), len(state.maybe_accepted_draft_tokens)
 
     # ================================================================== invariants
 
@@ -1464,8 +2152,11 @@ class PagedKVCacheManager:
         p = "check_invariants"
         for r in range(self._dp):
             reqs = [q for q in self._requests.values() if q.replica == r and not q.dummy]
-            loading = {b for ld in self._loads if ld.replica == r for b in ld.pages}
-            loading |= {b for q in reqs if q.load is not None for b in q.load.pages}  # failed, not yet undone
+            loading = set()  # (leaf_id, page) of in-flight loads and of failed ones not yet undone
+            for ld in [ld for ld in self._loads if ld.replica == r] + [q.load for q in reqs if q.load is not None]:
+                loading.update((self._conn_leaf, b) for b in ld.pages)
+                for lid, pages in (ld.leaf_pages or {}).items():
+                    loading.update((lid, b) for b in pages)
             for leaf in self._leaves:
                 lid = leaf.leaf_id
                 refs: Counter = Counter()
@@ -1475,7 +2166,12 @@ class PagedKVCacheManager:
                             refs[b] += 1
                 if lid == self._conn_leaf:
                     refs.update(self._pins[r])
+                for (pl, b), c in self._leaf_pins[r].items():  # spec/manager.md §9.8
+                    if pl == lid:
+                        refs[b] += c
                 self._pools[r][lid].check_invariants(dict(refs))
+            if self._slabs:  # spec/manager.md §13.4: every huge block parked or claimed, consistently
+                self._slabs[r].check_invariants()
             for q in reqs:
                 rid, ctx = q.ctx.request_id, q.ctx
                 lens = {len(q.rows[leaf.leaf_id]) for leaf in self._paged_leaves}
@@ -1491,9 +2187,11 @@ class PagedKVCacheManager:
                     assert NULL_BLOCK not in row[lo:], (
                         f"{p}: request {rid!r} leaf {leaf.leaf_id!r} row {row} holds block 0 at or above slot {lo}")
                     pool = self._pools[r][leaf.leaf_id]
-                    for i in range(lo, min(q.committed, n)):
+                    # spec/manager.md §10.4: a sliding leaf's slots below the window of the committed length
+                    # (a load moved the window past them; the next step frees them) are not checked.
+                    for i in range(max(lo, leaf.window_start(min(q.committed, n))), min(q.committed, n)):
                         b = row[i]
-                        if b in loading:
+                        if (leaf.leaf_id, b) in loading:
                             continue
                         h = q.hashes[i]
                         toks = self._block_tokens(ctx.tokens, i)
@@ -1507,3 +2205,5 @@ class PagedKVCacheManager:
                         assert np.array_equal(pool.block_tokens[b], toks), f"{p}: page {b} tokens differ from block {i}"
             for b, c in self._pins[r].items():
                 assert c > 0, f"{p}: replica {r} pin count of block {b} is {c}"
+            for (lid, b), c in self._leaf_pins[r].items():
+                assert c > 0, f"{p}: replica {r} pin count of leaf {lid!r} page {b} is {c}"

@@ -16,6 +16,7 @@ from kvspec import hashing
 from kvspec._page_store import HostPageStore
 
 from ._block_pool import BlockPool
+from ._slab import ReferenceSlabTable
 
 __all__ = ["ReferenceManagerEngine"]
 
@@ -35,6 +36,28 @@ class ReferenceManagerEngine:
     def page_buffer(self, shape: tuple[int, ...], dtype) -> np.ndarray:
         """``numpy.zeros(shape, dtype)``."""
         return np.zeros(shape, dtype=dtype)
+
+    def slab_table(self, num_huge_blocks: int, num_leaves: int) -> ReferenceSlabTable:
+        """A ``ReferenceSlabTable``: owners, live counts and the parked queue of one slab."""
+        return ReferenceSlabTable(num_huge_blocks, num_leaves)
+
+    def slab_buffer(self, num_huge_blocks: int, huge_bytes: int):
+        """The zero-filled slab ``uint8 [num_huge_blocks, huge_bytes]`` of one replica (spec/manager.md §13.1)."""
+        return self.page_buffer((num_huge_blocks, huge_bytes), np.uint8)
+
+    def leaf_view(self, slab, padded_bytes: int, shape: tuple[int, ...], dtype):
+        """One leaf's page buffer ``shape = (pages, *page_shape)`` of ``dtype`` as a view into ``slab``:
+        page ``b`` starts at byte ``b * padded_bytes`` (a strided view when the page is padded)."""
+        dt = self.storage_dtype(dtype)
+        rows = slab.reshape(shape[0], padded_bytes)
+        data = int(np.prod(shape[1:])) * dt.itemsize
+        if data != padded_bytes:
+            rows = rows[:, :data]
+        return rows.view(dt).reshape(shape)
+
+    def storage_dtype(self, dtype) -> np.dtype:
+        """The dtype buffers of ``dtype`` are stored as on this engine's device (itself on the CPU)."""
+        return np.dtype(dtype)
 
     def page_store(self, buffer: np.ndarray) -> HostPageStore:
         """A ``HostPageStore`` over the NumPy buffer."""

@@ -9,6 +9,7 @@ blocks another process computed. It sits under the host and disk tiers of a
 * ``get_many(hashes, tokens)``: pipelined ``GET``, every value verified;
 * ``put_many(hashes, tokens, payloads)``: pipelined ``SET NX`` (optional TTL);
 * ``touch(hashes)``: pipelined ``PEXPIRE`` when a TTL is set.
+* ``retain(hashes, seconds)``: pipelined ``PEXPIRE ... GT`` (a retention claim's time-to-live).
 
 A slow or dead store is never an exception into the caller and never a wait
 beyond ``timeout_s`` per socket operation: a lookup misses, a load is refused
@@ -51,8 +52,9 @@ from urllib.parse import unquote, urlsplit
 import numpy as np
 import xxhash
 
+from kvspec import retention as _retention
 from kvspec._config import check_int
-from kvspec._dtypes import KV_DTYPES, dtype_name
+from kvspec._dtypes import KV_DTYPES, dtype_name, is_fp8
 from kvspec._manager_types import DEFAULT_LEAF_ID, KVCacheParams, LeafKind
 from kvspec.errors import KVLoadRefused
 from kvspec.hashing import HASH_ALGOS
@@ -544,6 +546,8 @@ class RemoteTier:
                 )
             return
         page_bytes = 2 * math.prod(fields[f] for f in _GEOMETRY_FIELDS) * KV_DTYPES[fields["dtype"]].itemsize
+        if is_fp8(fields["dtype"]):  # spec/manager.md §16: the payload carries the page's float32 scales too
+            page_bytes += 4 * 2 * fields["num_layers"] * fields["kv_heads"]
         # spec/remote-tier.md §1: the key carries namespace, algorithm and geometry,
         # so two models or geometries never collide.
         # spec/remote-tier.md §8: bookkeeping entries live apart, never read as K/V.
@@ -773,6 +777,39 @@ class RemoteTier:
             pipe = client.pipeline(transaction=False)
             for k in keys:
                 pipe.pexpire(k, ttl_ms)
+            return pipe.execute()
+
+        self._io(run)
+        return None
+
+    def retain(self, hashes: Sequence[bytes], seconds: float) -> None:
+        """A retention claim with a time-to-live (spec/tiers.md §3.1): extend the expiry of each
+        stored key to at least ``seconds`` from now (pipelined ``PEXPIRE key ms GT``: a longer
+        TTL stays, a key without a TTL keeps none). Missing keys and a failing store are
+        ignored (counted in ``errors``), like :meth:`touch`.
+
+        Raises
+        ------
+        TypeError, ValueError
+            A hash of the wrong type or length, ``seconds`` not a finite number > 0; state is unchanged.
+        RuntimeError
+            Not bound, or closed; state is unchanged.
+        """
+        o = "RemoteTier.retain"
+        self._check_bound(o)
+        hashes = self._check_hashes(o, hashes)
+        seconds = _retention.check_seconds(o, seconds, "seconds")
+        if seconds is None:
+            raise TypeError(f"{o}: seconds=None, must be a real number of seconds > 0")
+        if not hashes:
+            return None
+        keys = [self._key_prefix + h.hex() for h in hashes]
+        ms = max(1, math.ceil(seconds * 1000))
+
+        def run(client):
+            pipe = client.pipeline(transaction=False)
+            for k in keys:
+                pipe.execute_command("PEXPIRE", k, ms, "GT")
             return pipe.execute()
 
         self._io(run)

@@ -31,6 +31,16 @@ class _Load:
     handle: Any
     state: str = "pending"  # "pending" | "landed" | "failed"
     error: BaseException | None = None
+    # spec/manager.md §9.8 (several leaves): leaf -> destination pages, and the block index of each;
+    # ``pages`` is then empty and ``nblocks`` the blocks the load adds to the hit.
+    leaf_pages: dict[str, list[int]] | None = None
+    leaf_blocks: dict[str, list[int]] | None = None
+    nblocks: int = 0
+
+    @property
+    def blocks(self) -> int:
+        """Blocks the load adds to the request's hit."""
+        return self.nblocks if self.leaf_pages is not None else len(self.pages)
 
 
 @dataclass
@@ -40,6 +50,7 @@ class _Offload:
     replica: int
     pages: list[int]
     handle: Any
+    leaf_pages: dict[str, list[int]] | None = None  # several leaves (spec/manager.md §9.8): leaf -> pinned pages
 
 
 @dataclass
@@ -70,7 +81,8 @@ class _AllocPlan:
     """What ``alloc`` will do, decided before anything changes (spec/manager.md §4)."""
 
     __slots__ = ("undo_load", "splice", "local", "k", "hashes", "rows", "nulled", "restore", "peer", "need",
-                 "lookup_pending", "ext_ran", "load", "load_done", "load_failed")
+                 "lookup_pending", "ext_ran", "load", "load_done", "load_failed", "tier_hit", "leaf_peer",
+                 "restore_peer")
 
     def __init__(self):
         self.undo_load = self.splice = self.lookup_pending = self.ext_ran = False
@@ -83,3 +95,10 @@ class _AllocPlan:
         self.peer: dict[int, tuple[int, int]] = {}  # block index -> (source replica, source page)
         self.need: dict[str, int] = {}  # leaf -> pages the sizing draws
         self.load: _Load | None = None
+        # spec/manager.md §9.8: (first block, blocks) the tiers add, held for a second round that posts
+        # the load once the sizing has drawn its pages
+        self.tier_hit: tuple[int, int] | None = None
+        # spec/manager.md §7.3 with several leaves: (leaf, block) -> (source replica, source page), the
+        # row slot is None until the sizing draws its page; recurrent leaf -> (source replica, checkpoint)
+        self.leaf_peer: dict[tuple[str, int], tuple[int, int]] = {}
+        self.restore_peer: dict[str, tuple[int, int]] = {}

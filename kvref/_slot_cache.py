@@ -20,17 +20,19 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from kvspec import CapacityError, KVCacheConfig, KVCacheMode, KVLayerSpec, LayerKind, StepIndices
 from kvspec._interop import host_array
 from kvspec._config import INT32_MAX, parse_device
+from kvspec._dtypes import is_fp8
 from kvspec.engine import (
     STEP_CU0, STEP_NOT_INCREASING, STEP_OK, STEP_PAST_MISMATCH, STEP_SLOT_DUP, STEP_SLOT_RANGE, STEP_TOTAL,
     SlotEngine,
 )
+from kvspec import retention as _retention
 from kvspec.hashing import block_hash, block_hashes, root_hash
 
 from ._block_pool import NULL_BLOCK
@@ -165,7 +167,11 @@ class KVCache:
     * STATE: ``conv_state(l, i)`` ``[max_seqs, conv_dims[i], conv_width]`` and
       ``recurrent_state(l)`` ``[max_seqs, heads, k_dim, v_dim]``.
 
-    K/V are in ``config.dtype``, state slabs in ``config.state_dtype``.
+    K/V are in ``config.dtype``, state slabs in ``config.state_dtype``. An FP8
+    ``config.dtype`` (``float8_e4m3fn``, ``float8_e5m2``) adds float32 scales per
+    (block, layer, K/V, kv head), :meth:`scales` (``spec/slot-cache.md`` §10).
+    Speculative decoding: :meth:`checkpoint_state` before a verification step,
+    :meth:`restore_state` after a rejection (``spec/slot-cache.md`` §11).
 
     Examples
     --------
@@ -187,7 +193,8 @@ class KVCache:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def make(cls, config: KVCacheConfig, layer_specs: Sequence[KVLayerSpec]) -> "KVCache":
+    def make(cls, config: KVCacheConfig, layer_specs: Sequence[KVLayerSpec], *,
+             clock: Callable[[], float] | None = None) -> "KVCache":
         """Allocate a cache: every buffer once, all slots empty, all blocks free.
 
         Parameters
@@ -196,6 +203,9 @@ class KVCache:
             Sizes and options; ``config.device`` must be ``"cpu"`` (kvref is NumPy).
         layer_specs : sequence of KVLayerSpec
             One per layer, ``len(layer_specs) == config.num_layers``.
+        clock : callable() -> float, optional
+            Seconds for retention time-to-live (``time.monotonic`` by default;
+            spec/slot-cache.md §4.5).
 
         Returns
         -------
@@ -210,9 +220,13 @@ class KVCache:
         """
         api = "KVCache.make"
         specs = check_make_args(api, config, layer_specs)
+        clock = _retention.check_clock(api, clock)
         engine = cls.make_engine(config)
         self = object.__new__(cls)
         self._init_storage(config, specs, engine)
+        self._clock = clock  # spec/slot-cache.md §4.5
+        if self._pool is not None:
+            self._pool.clock = clock
         return self
 
     @classmethod
@@ -279,6 +293,32 @@ class KVCache:
                 self._slabs.append(self._rec[l])
         self._cross_planes: list = [a for l, sp in enumerate(specs) if sp.kind is LayerKind.CROSS_ATTENTION
                                     for a in self._kv[l]]
+        # spec/slot-cache.md §10.1: an FP8 cache keeps one float32 scale per (unit of block_size
+        # positions, layer, K/V, kv head): paged layers per block, contiguous rows and cross planes
+        # per slot and row block. 0 means "never written since the unit was (re)allocated".
+        self._fp8 = is_fp8(config.dtype)
+        #: layer -> (K scales, V scales), FP8 caches only
+        self._scales: dict[int, tuple] = {}
+        #: scale buffers indexed by block id (paged attention layers): zeroed when a block is allocated
+        self._block_scales: list = []
+        #: scale buffers indexed by slot (contiguous attention layers, cross layers): zeroed with the slot
+        self._slot_scales: list = []
+        if self._fp8:
+            P = config.block_size
+            for l, spec in enumerate(specs):
+                if spec.kind in _ATTN_KINDS and self._paged:
+                    shape = (config.resolved_num_blocks, spec.kv_heads)
+                elif spec.kind in _ATTN_KINDS:
+                    shape = (S, config.max_blocks_per_seq, spec.kv_heads)
+                elif spec.kind is LayerKind.CROSS_ATTENTION:
+                    shape = (S, -(-spec.max_enc_len // P), spec.kv_heads)
+                else:
+                    continue
+                pair = (zeros(shape, np.float32), zeros(shape, np.float32))
+                self._scales[l] = pair
+                (self._block_scales if len(shape) == 2 else self._slot_scales).extend(pair)
+        #: spec/slot-cache.md §11: slot -> (position, state slab copies) saved by checkpoint_state
+        self._spec_checkpoints: dict[int, tuple[int, list]] = {}
         self._seq = np.zeros(S, np.int32)
         #: encoder length per slot (0 = not filled); shared by all cross layers
         self._enc = np.zeros(S, np.int64)
@@ -355,6 +395,35 @@ class KVCache:
     def values(self, layer: int) -> np.ndarray:
         """Live V storage; same shapes, errors and identity as :meth:`keys`."""
         return self._kv[self._layer("values", layer, _KV_KINDS)][1]
+
+    def scales(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Live FP8 scales ``(K scales, V scales)`` of an attention, sliding-window or cross layer.
+
+        ``spec/slot-cache.md`` §10: stored value ``x`` at a position of unit ``u`` and head ``h``
+        stands for ``float32(x) * scales[u, h]``; a unit is ``block_size`` positions.
+
+        Returns
+        -------
+        K scales, V scales : float32
+            Paged ATTENTION/SLIDING_WINDOW ``[num_blocks, kv_heads]`` (per block); contiguous
+            ``[max_seqs, max_blocks_per_seq, kv_heads]``; CROSS_ATTENTION
+            ``[max_seqs, ceil(max_enc_len / block_size), kv_heads]``. Powers of two, or 0 for a
+            unit never written since it was allocated. The same objects on every call.
+
+        Raises
+        ------
+        RuntimeError
+            ``config.dtype`` is not an FP8 dtype (no scales).
+        IndexError
+            ``layer`` out of range.
+        TypeError
+            A STATE layer (or a non-int ``layer``).
+        """
+        api = "scales"
+        if not self._fp8:
+            raise RuntimeError(f"{api}: config.dtype={self._config.dtype!r} has no scales, "
+                               "needs 'float8_e4m3fn' or 'float8_e5m2'")
+        return self._scales[self._layer(api, layer, _KV_KINDS)]
 
     def conv_state(self, layer: int, index: int = 0) -> np.ndarray:
         """Live conv state ``[max_seqs, conv_dims[index], conv_width]`` (config.state_dtype).
@@ -453,6 +522,89 @@ class KVCache:
         self._seq[b] = pos
         self._write_sets.pop(b)
 
+    # ------------------------------------------------------------------ speculative decoding (spec/slot-cache.md §11)
+
+    def checkpoint_state(self, batch_idx: int) -> int:
+        """Save a slot's length and state slabs before a speculative step; returns the length.
+
+        ``spec/slot-cache.md`` §11: checkpoint before the step that verifies
+        draft tokens; after verification :meth:`restore_state` brings the
+        slot back to this point when drafts were rejected (then the accepted
+        tokens are fed again as an ordinary step). One checkpoint per slot: a
+        second call replaces the first. Works on every cache (without STATE
+        layers only the length is kept).
+
+        Parameters
+        ----------
+        batch_idx : int
+            Slot, ``0 <= batch_idx < max_seqs``.
+
+        Returns
+        -------
+        int
+            ``seq_lens()[batch_idx]``, the position the checkpoint restores.
+
+        Raises
+        ------
+        IndexError
+            ``batch_idx`` out of range.
+        TypeError
+            A non-int ``batch_idx``. State is unchanged.
+        """
+        b = _check_index("checkpoint_state", "batch_idx", batch_idx, self._config.max_seqs)
+        pos = int(self._seq[b])
+        self._spec_checkpoints[b] = (pos, self._engine.save_rows(self._slabs, b))
+        return pos
+
+    def restore_state(self, batch_idx: int) -> int:
+        """Roll a slot back to its :meth:`checkpoint_state`: state slabs and length.
+
+        Copies the saved slab rows back and sets ``seq_lens()[batch_idx]`` to the
+        saved position (bookkeeping like :meth:`update_position`: K/V bytes and
+        blocks stay). The checkpoint is kept (restoring twice is allowed) until
+        the next ``checkpoint_state``, ``evict_batch``, ``retire``, ``admit`` or
+        ``reset``.
+
+        Returns
+        -------
+        int
+            The restored length.
+
+        Raises
+        ------
+        IndexError
+            ``batch_idx`` out of range.
+        TypeError
+            A non-int ``batch_idx``.
+        ValueError
+            The slot has no checkpoint. State is unchanged.
+        """
+        api = "restore_state"
+        b = _check_index(api, "batch_idx", batch_idx, self._config.max_seqs)
+        got = self._spec_checkpoints.get(b)
+        if got is None:
+            raise ValueError(f"{api}: batch_idx={b} has no state checkpoint (call checkpoint_state before the "
+                             "speculative step)")
+        pos, saved = got
+        # spec/slot-cache.md §11: pos is within capacity and above the adopted prefix (neither moves while
+        # the checkpoint lives: capacity never shrinks, and admit/evict/retire drop it).
+        self._engine.restore_rows(self._slabs, b, saved)
+        self._seq[b] = pos
+        self._write_sets.pop(b)
+        return pos
+
+    def state_checkpoint_position(self, batch_idx: int) -> int:
+        """The position saved by the slot's :meth:`checkpoint_state`, or -1 when it has none.
+
+        Raises
+        ------
+        IndexError, TypeError
+            ``batch_idx`` out of range or not an int.
+        """
+        b = _check_index("state_checkpoint_position", "batch_idx", batch_idx, self._config.max_seqs)
+        got = self._spec_checkpoints.get(b)
+        return -1 if got is None else got[0]
+
     def evict_batch(self, batch_idx: int) -> None:
         """Return a slot to empty. Idempotent; publishes nothing.
 
@@ -479,8 +631,10 @@ class KVCache:
         self._nshared[b] = 0
         self._seq[b] = 0
         self._enc[b] = 0
-        self._engine.zero_rows(self._cross_planes + self._slabs, b)
+        # spec/slot-cache.md §10.4: a slot's row scales go with it (contiguous rows, cross planes).
+        self._engine.zero_rows(self._cross_planes + self._slabs + self._slot_scales, b)
         self._write_sets.pop(b)
+        self._spec_checkpoints.pop(b, None)
 
     def _zero_state(self, b: int) -> None:
         self._engine.zero_rows(self._slabs, b)
@@ -499,6 +653,10 @@ class KVCache:
                 slab[...] = 0
             if self._rec[l] is not None:
                 self._rec[l][...] = 0
+        for ks, vs in self._scales.values():
+            ks[...] = 0
+            vs[...] = 0
+        self._spec_checkpoints.clear()
         self._seq[:] = 0
         self._enc[:] = 0
         self._nblk[:] = 0
@@ -556,9 +714,29 @@ class KVCache:
         if self._enc[b] and self._enc[b] != t:
             raise ValueError(f"{api}: t_enc={t} != {int(self._enc[b])} already filled for slot {b}")
         K, V = self._kv[layer]
-        self._engine.fill_plane(K, b, k)
-        self._engine.fill_plane(V, b, v)
+        if self._fp8:
+            self._fill_fp8(api, layer, b, k, v)
+        else:
+            self._engine.fill_plane(K, b, k)
+            self._engine.fill_plane(V, b, v)
         self._enc[b] = t
+
+    def _fill_fp8(self, api: str, layer: int, b: int, k, v) -> None:
+        """spec/slot-cache.md §10.3: a fill quantises the plane afresh (its units' scales restart from 0)."""
+        engine = self._engine
+        k = engine.kv_input_float32(api, "k", k)
+        v = engine.kv_input_float32(api, "v", v)
+        for name, x in (("k", k), ("v", v)):
+            bad = engine.first_nonfinite(x)
+            if bad >= 0:
+                raise ValueError(f"{api}: {name}[{bad}] has a non-finite value, FP8 storage needs finite inputs")
+        # ---- commit (nothing below can fail)
+        K, V = self._kv[layer]
+        Ks, Vs = self._scales[layer]
+        engine.zero_rows([K, V, Ks, Vs], b)
+        t = k.shape[0]
+        sm = b * K.shape[1] + np.arange(t, dtype=np.int64)
+        engine.scatter_kv_fp8(K, V, Ks, Vs, k, v, sm, self._config.block_size)
 
     # ------------------------------------------------------------------ steps
 
@@ -578,7 +756,10 @@ class KVCache:
         if total > free:
             raise CapacityError(f"{api}: needs {total} blocks, {free} free or evictable")
         # spec/slot-cache.md §5: one pop from the front for the whole step, handed out in row order.
-        self._engine.grow_rows(self._pool, slots, add, total, self._table, self._nblk)
+        blocks = self._engine.grow_rows(self._pool, slots, add, total, self._table, self._nblk)
+        if self._block_scales:
+            # spec/slot-cache.md §10.4: a block starts its new life unwritten (scale 0).
+            self._engine.zero_index_rows(self._block_scales, blocks)
 
     def prepare_step(self, cu_seqlens_q, past_len, slot_ids) -> StepIndices:
         """Validate a step, reserve its blocks (paged, all or nothing) and return its indices.
@@ -720,7 +901,8 @@ class KVCache:
         cfg = self._config
         return block_hashes(tokens, cfg.block_size, cfg.hash_algo, hash_seed=cfg.hash_seed, num_blocks=n_blocks)
 
-    def admit(self, batch_idx: int, prompt_ids, addressable_len: int = -1) -> int:
+    def admit(self, batch_idx: int, prompt_ids, addressable_len: int = -1, *,
+              retention_priority: int = _retention.DEFAULT_PRIORITY, retention_seconds: float | None = None) -> int:
         """Paged: adopt the longest cached prefix of ``prompt_ids`` into an empty slot.
 
         Hit = the longest run of leading full blocks whose chained hash is
@@ -738,6 +920,10 @@ class KVCache:
             ``N >= 1`` token ids (int32 range).
         addressable_len : int
             ``-1`` for the default cap ``N - 1``; else ``>= 0``.
+        retention_priority : int, keyword-only
+            ``0 .. 100`` (35): claim merged into the adopted blocks (spec/slot-cache.md §4.5).
+        retention_seconds : float or None, keyword-only
+            Time-to-live of the claim from this call (``None``: until evicted).
 
         Returns
         -------
@@ -764,6 +950,8 @@ class KVCache:
             raise ValueError(f"{api}: len(prompt_ids)=0, must be >= 1")
         if addr < -1:
             raise ValueError(f"{api}: addressable_len={addr} < -1 (-1 means len(prompt_ids)-1)")
+        prio = _retention.check_priority(api, retention_priority)  # spec/slot-cache.md §4.5
+        secs = _retention.check_seconds(api, retention_seconds)
         if self._seq[b] != 0 or self._nblk[b] != 0:
             raise ValueError(f"{api}: batch_idx={b} holds seq_len={int(self._seq[b])} and {int(self._nblk[b])} blocks, must be empty")
         P = self._config.block_size
@@ -791,10 +979,13 @@ class KVCache:
         for col, blk in enumerate(hits):
             self._pool.touch(blk)
             self._table[b, col] = blk
+        if hits:
+            self._pool.set_retention(hits, prio, _retention.expiry_of(secs, self._clock))
         self._nblk[b] = len(hits)
         self._nshared[b] = len(hits)
         self._seq[b] = len(hits) * P
         self._write_sets.pop(b)
+        self._spec_checkpoints.pop(b, None)  # spec/slot-cache.md §11: admit starts a new sequence
         if checkpoint is None:
             self._zero_state(b)
         else:
@@ -805,7 +996,8 @@ class KVCache:
     def _restore_state(self, b: int, saved: list[np.ndarray]) -> None:
         self._engine.restore_rows(self._slabs, b, saved)
 
-    def retire(self, batch_idx: int, full_token_ids, addressable_len: int = -1) -> None:
+    def retire(self, batch_idx: int, full_token_ids, addressable_len: int = -1, *,
+               retention_priority: int = _retention.DEFAULT_PRIORITY, retention_seconds: float | None = None) -> None:
         """Paged: publish a finished slot's full blocks for reuse, then free it like ``evict_batch``.
 
         ``a = min(len(full_token_ids), seq_lens()[b])`` (or ``addressable_len``).
@@ -823,6 +1015,11 @@ class KVCache:
             Every token the session saw (may include a last token never written).
         addressable_len : int
             ``-1`` for the default; else ``0 <= a <= min(N, seq_len)``.
+        retention_priority : int, keyword-only
+            ``0 .. 100`` (35): claim merged into every published block of the slot
+            before it is freed (spec/slot-cache.md §4.5).
+        retention_seconds : float or None, keyword-only
+            Time-to-live of the claim from this call (``None``: until evicted).
 
         Raises
         ------
@@ -849,6 +1046,8 @@ class KVCache:
             raise ValueError(f"{api}: addressable_len={addr} > seq_lens()[{b}]={seq}")
         if addr > n:
             raise ValueError(f"{api}: addressable_len={addr} > len(full_token_ids)={n}")
+        prio = _retention.check_priority(api, retention_priority)  # spec/slot-cache.md §4.5
+        secs = _retention.check_seconds(api, retention_seconds)
         a = min(n, seq) if addr == -1 else addr
         P = self._config.block_size
         n_pub = a // P if self._config.enable_prefix_caching else 0
@@ -879,6 +1078,9 @@ class KVCache:
                 while len(self._checkpoints) > ncp:
                     # spec/slot-cache.md §4.3: least recently used checkpoint dropped first.
                     self._checkpoints.popitem(last=False)
+        # spec/slot-cache.md §4.5: the claim goes to the slot's published blocks (held, so none moves)
+        self._pool.set_retention(self._table[b, : int(self._nblk[b])].tolist(), prio,
+                                 _retention.expiry_of(secs, self._clock))
         self._release(b)
 
     # ------------------------------------------------------------------ invariants
@@ -906,6 +1108,14 @@ class KVCache:
             if spec.kind is LayerKind.CROSS_ATTENTION:
                 for s in range(S):
                     assert 0 <= self._enc[s] <= spec.max_enc_len, f"{p}: enc_len[{s}]={self._enc[s]} > max_enc_len={spec.max_enc_len} of layer {l}"
+        for s, (pos, _) in self._spec_checkpoints.items():
+            lo, cap = int(self._nshared[s]) * P, self._capacity(s)
+            assert lo <= pos <= cap, f"{p}: slot {s} state checkpoint at {pos} outside [{lo}, capacity={cap}]"
+        for l, pair in self._scales.items():
+            for sc in pair:
+                host = self._engine.to_host(sc)
+                m, _ = np.frexp(host)
+                assert ((host == 0) | (m == 0.5)).all(), f"{p}: layer {l} has an FP8 scale that is not 0 or a power of two"
         ncp = cfg.resolved_num_state_checkpoints
         assert len(self._checkpoints) <= ncp, f"{p}: {len(self._checkpoints)} state checkpoints > num_state_checkpoints={ncp}"
         if not self._paged:

@@ -12,6 +12,7 @@ from typing import Callable
 import numpy as np
 
 from kvspec import LayerKind, StepIndices
+from kvspec._dtypes import dtype_name, fp8_scale
 from kvspec._interop import host_array
 from kvspec.engine import (
     STEP_CAPACITY, STEP_CU0, STEP_NOT_INCREASING, STEP_OK, STEP_PAST_MISMATCH, STEP_SLOT_DUP, STEP_SLOT_RANGE,
@@ -185,7 +186,7 @@ class ReferenceSlotEngine:
     def step_blocks_needed(self, cu_seqlens_q, past_len, slot_ids, nblk, block_size: int) -> tuple[np.ndarray, int]:
         return self.blocks_needed(slot_ids, past_len + np.diff(cu_seqlens_q), nblk, block_size)
 
-    def grow_rows(self, pool, slot_ids, add, total: int, table, nblk) -> None:
+    def grow_rows(self, pool, slot_ids, add, total: int, table, nblk) -> np.ndarray:
         blocks = pool.allocate(total)
         i = 0
         for s, n in zip(slot_ids.tolist(), add.tolist()):
@@ -193,6 +194,7 @@ class ReferenceSlotEngine:
             table[s, start : start + n] = blocks[i : i + n]
             nblk[s] = start + n
             i += n
+        return np.asarray(blocks, dtype=np.int64)
 
     def release_blocks(self, pool, blocks) -> None:
         pool.free([int(b) for b in blocks])
@@ -235,7 +237,7 @@ class ReferenceSlotEngine:
         K[slot, :t] = k
         K[slot, t:] = 0
 
-    def attend(self, q, K, V, kind, window: int, step: StepIndices, block_size, scale: float):
+    def attend(self, q, K, V, kind, window: int, step: StepIndices, block_size, scale: float, kv_scales=None):
         out = np.zeros(q.shape, np.float32)
         cu = np.asarray(step.cu_seqlens_q, dtype=np.int64)
         for b in range(step.num_seqs):
@@ -243,12 +245,12 @@ class ReferenceSlotEngine:
             lo, hi = int(cu[b]), int(cu[b + 1])
             if kind is LayerKind.CROSS_ATTENTION:
                 n = int(step.cross_seqused_k[b])
-                k, v = self.gather_kv(K, V, slot, n, None, 0)
+                k, v = self._gather_any(K, V, slot, n, None, 0, kv_scales)
                 mask = np.ones((hi - lo, n), bool)
             else:
                 n = int(step.seqused_k[b])
                 row = None if block_size is None else step.block_table[b]
-                k, v = self.gather_kv(K, V, slot, n, row, block_size or 0)
+                k, v = self._gather_any(K, V, slot, n, row, block_size or 0, kv_scales)
                 pos = int(step.past_len[b]) + np.arange(hi - lo)[:, None]
                 key = np.arange(n)[None, :]
                 mask = key <= pos
@@ -257,8 +259,81 @@ class ReferenceSlotEngine:
             out[lo:hi] = softmax_attend(q[lo:hi], k, v, mask, scale)
         return out
 
+    def _gather_any(self, K, V, slot, n, row, block_size, kv_scales):
+        if kv_scales is None:
+            return self.gather_kv(K, V, slot, n, row, block_size)
+        Ks, Vs, unit = kv_scales
+        return self.gather_kv_fp8(K, V, Ks, Vs, slot, n, row, block_size, unit)
+
     def to_host(self, x) -> np.ndarray:
         return np.asarray(x)
+
+    # ------------------------------------------------------------------ FP8 K/V (spec/slot-cache.md §10)
+
+    def kv_input_float32(self, api: str, name: str, x):
+        x = x if isinstance(x, np.ndarray) else host_array(x)
+        if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
+            raise TypeError(f"{api}: {name} dtype={x.dtype}, must be a floating type")
+        return x.astype(np.float32, copy=False)
+
+    def first_nonfinite(self, x) -> int:
+        bad = np.flatnonzero(~np.isfinite(x).reshape(x.shape[0], -1).all(axis=1))
+        return int(bad[0]) if bad.size else -1
+
+    def zero_index_rows(self, buffers, rows) -> None:
+        rows = np.asarray(rows, dtype=np.int64)
+        for buf in buffers:
+            buf[rows] = 0
+
+    def scatter_kv_fp8(self, K, V, Ks, Vs, k, v, slot_mapping, unit: int) -> int:
+        A, Bd, H, D = K.shape
+        rows = A * Bd
+        sm = np.asarray(slot_mapping, dtype=np.int64)
+        over = np.flatnonzero(sm >= rows)
+        if over.size:
+            return int(over[0])
+        name = dtype_name(K.dtype)
+        upb = -(-Bd // unit)  # scale units per storage block (1 when paged)
+        toks = np.flatnonzero(sm >= 0).tolist()
+        units = (sm // Bd) * upb + (sm % Bd) // unit
+        for X, S, x in ((K, Ks, k), (V, Vs, v)):
+            Xf = X.reshape(rows, H, D)  # views: writes land in the cache
+            Sf = S.reshape(A * upb, H)
+            # 1. the scale every touched unit-head needs: the old one or the new tokens' (the larger)
+            new = {}
+            for t in toks:
+                u = int(units[t])
+                need = fp8_scale(np.abs(x[t]).max(axis=-1), name)
+                new[u] = np.maximum(new.get(u, Sf[u]), need)
+            # 2. a unit-head whose scale grows is re-quantised to the new scale (0 -> unwritten: zeroed)
+            for u, s_new in new.items():
+                a, j = divmod(u, upb)
+                r0, r1 = a * Bd + j * unit, a * Bd + min((j + 1) * unit, Bd)
+                for h in np.flatnonzero(s_new > Sf[u]).tolist():
+                    if Sf[u, h] == 0:
+                        Xf[r0:r1, h] = 0
+                    else:
+                        ratio = np.float32(Sf[u, h]) / np.float32(s_new[h])
+                        Xf[r0:r1, h] = (Xf[r0:r1, h].astype(np.float32) * ratio).astype(X.dtype)
+                    Sf[u, h] = s_new[h]
+            # 3. the new tokens, quantised with their unit's scale
+            for t in toks:
+                Xf[sm[t]] = (x[t] / Sf[units[t]][:, None]).astype(X.dtype)
+        return -1
+
+    def gather_kv_fp8(self, K, V, Ks, Vs, slot: int, n: int, block_row, block_size: int, unit: int):
+        k, v = self.gather_kv(K, V, slot, n, block_row, block_size)
+        Bd = K.shape[1]
+        upb = -(-Bd // unit)
+        pos = np.arange(n)
+        if block_row is None:
+            units = slot * upb + pos // unit
+        else:
+            units = np.asarray(block_row, dtype=np.int64)[pos // block_size] * upb + (pos % block_size) // unit
+        H = K.shape[2]
+        ks = Ks.reshape(-1, H)[units][:, :, None]
+        vs = Vs.reshape(-1, H)[units][:, :, None]
+        return k.astype(np.float32) * ks, v.astype(np.float32) * vs
 
     # ------------------------------------------------------------------ slot rows (state, cross planes)
 

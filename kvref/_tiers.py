@@ -36,6 +36,7 @@ from typing import Sequence
 
 import numpy as np
 
+from kvspec import retention as _retention
 from kvspec._config import check_int
 from kvspec._manager_types import ByteCount, CompletedTransfer, KVCacheMetrics, KVCacheParams, KVTransfer
 from kvspec._page_store import HostPageStore, PageStore
@@ -45,6 +46,9 @@ from kvspec.hashing import digest_size
 from ._disk_tier import DiskBlockError, DiskTier, geometry_of
 from ._host_tier import Evicted, HostTier
 from ._remote_tier import RemoteTier, RemoteTierMetrics
+
+#: Remote claims remembered for blocks whose write has not landed yet (spec/tiers.md §3.1).
+_REMOTE_CLAIMS = 4096
 
 __all__ = ["TieredConnector", "TierTransfer", "TierStats", "WRITE_POLICIES", "MAX_TIER_BYTES", "MAX_WORKERS"]
 
@@ -184,6 +188,9 @@ class TieredConnector:
         ``reconnect_interval_s`` and ``secret`` (bytes, or the name of an
         environment variable: every value authenticated with HMAC-SHA256;
         without it anyone who can write to the Redis can poison the tier).
+    clock : callable() -> float, optional
+        Seconds for retention expiries (``time.monotonic`` by default;
+        spec/tiers.md §3.1).
 
     Raises
     ------
@@ -221,8 +228,10 @@ class TieredConnector:
         remote_timeout_s: float = 0.05,
         remote_reconnect_interval_s: float = 1.0,
         remote_secret: bytes | str | None = None,
+        clock=None,
     ):
         o = "TieredConnector"
+        self._clock = _retention.check_clock(o, clock)
         host_bytes = check_int(o, "host_bytes", host_bytes, low=0, high=MAX_TIER_BYTES)
         disk_bytes = check_int(o, "disk_bytes", disk_bytes, low=0, high=MAX_TIER_BYTES)
         if disk_dir is not None and not isinstance(disk_dir, (str, os.PathLike)):
@@ -241,6 +250,8 @@ class TieredConnector:
         elif remote_secret is not None:
             raise ValueError(f"{o}: remote_secret given without remote_url")
         self._remote = remote
+        #: remote claims' expiries by hash (bounded, oldest first dropped), for writes that land later
+        self._remote_claims: dict[bytes, float] = {}
         self.host_bytes = host_bytes
         self.disk_bytes = disk_bytes
         self.disk_dir = Path(disk_dir) if disk_dir is not None else None
@@ -325,7 +336,7 @@ class TieredConnector:
             raise ValueError(
                 f"{o}: len(stores)={len(sources)} != data_parallel_degree={params.data_parallel_degree}"
             )
-        page_bytes = math.prod(params.page_shape) * params.np_dtype.itemsize
+        page_bytes = params.kv_page_bytes  # values, then (FP8) scales: one payload (spec/manager.md §16)
         bound = [self._as_store(o, i, x, params, page_bytes) for i, x in enumerate(sources)]
         holds = {st.holds_bytes for st in bound}
         if len(holds) != 1:
@@ -399,6 +410,9 @@ class TieredConnector:
             self._params, self._geometry, self._page_bytes = params, geometry, page_bytes
             self._holds_bytes = holds_bytes
             self._host, self._disk = host, disk
+            for tier in (host, disk):
+                if tier is not None:
+                    tier.clock = self._clock  # spec/tiers.md §3.1: claims expire on the connector's clock
             self._bind(bound, sources, params, owner)
             self._stats["files_rejected"] += meta_rejected
             if warm is not None:
@@ -644,6 +658,53 @@ class TieredConnector:
             if self._remote is not None and self._remote.ttl_s is not None and self._executor is not None:
                 # spec/remote-tier.md §7: refresh the TTL on a worker; no network on the caller's thread.
                 self._background.append(self._executor.submit(self._remote.touch, hs))
+
+    def set_retention(self, hashes: Sequence[bytes], priority: int, seconds: float | None = None,
+                      replica_idx: int = 0) -> None:
+        """A retention claim on stored blocks (spec/tiers.md §3.1, spec/manager.md §14).
+
+        Host and disk merge ``(priority, clock() + seconds)`` (``None``: no
+        expiry) into the entry of every hash they hold (ready or being
+        written), and evict the lowest priority first, least recently used
+        within a priority. The remote tier, when ``seconds`` is given, extends
+        each stored key's expiry to at least ``seconds`` (``PEXPIRE ... GT`` on
+        a worker: a TTL is never shortened, a key without one keeps none).
+
+        Raises ``TypeError``/``ValueError`` for bad hashes, priority or seconds,
+        ``IndexError`` for ``replica_idx``, ``RuntimeError`` before attach or
+        after shutdown; state is unchanged."""
+        o = "TieredConnector.set_retention"
+        self._check_attached(o)
+        self._check_replica(o, replica_idx)
+        hs = self._check_hashes(o, hashes)
+        priority = _retention.check_priority(o, priority, "priority")
+        seconds = _retention.check_seconds(o, seconds, "seconds")
+        expiry = _retention.expiry_of(seconds, self._clock)
+        with self._lock:
+            self._host.set_retention(hs, priority, expiry)
+            if self._disk is not None:
+                self._disk.set_retention(hs, priority, expiry)
+            if self._remote is not None and seconds is not None and self._executor is not None and hs:
+                # A block whose offload is still queued gets its TTL when it is written (_retain_remote).
+                rc = self._remote_claims
+                for h in hs:
+                    rc[h] = max(expiry, rc.pop(h, expiry))
+                while len(rc) > _REMOTE_CLAIMS:
+                    rc.pop(next(iter(rc)))
+                # no network on the caller's thread (spec/remote-tier.md §7)
+                self._background.append(self._executor.submit(self._remote.retain, hs, seconds))
+
+    def _retain_remote(self, hs: list[bytes]) -> None:
+        """After a remote write (on a worker): the claims made before it landed (spec/tiers.md §3.1)."""
+        now = self._clock()
+        with self._lock:
+            left = {h: self._remote_claims.get(h, now) - now for h in hs}
+        by_seconds: dict[float, list[bytes]] = {}
+        for h, sec in left.items():
+            if sec > 0:
+                by_seconds.setdefault(sec, []).append(h)
+        for sec, group in by_seconds.items():
+            self._remote.retain(group, sec)
 
     def poll_transfers(self) -> None:
         """Reap finished background work (promotions into host); never blocks.
@@ -944,6 +1005,7 @@ class TieredConnector:
             # spec/remote-tier.md §7: SET NX of the pinned source pages, one round trip; a failing
             # store drops them (counted by the remote tier), never raises.
             self._remote.put_many(hs, toks, list(srcs))
+            self._retain_remote(hs)
         with self._lock:
             host.touch(reversed(hs))
             if disk is not None:

@@ -83,7 +83,9 @@ def append_kv(cache, layer: int, k, v, step: StepIndices) -> None:
     layer : int
         An ATTENTION or SLIDING_WINDOW layer.
     k, v : float [T, kv_heads, head_dim]
-        The step's new keys and values; cast to the storage dtype.
+        The step's new keys and values; an FP8 cache quantises them with per-(block, head)
+        scales (``spec/slot-cache.md`` §10.2: finite values only, else ``ValueError``); otherwise
+        cast to the storage dtype.
     step : StepIndices
         From ``cache.prepare_step``; ``T == step.num_tokens``.
 
@@ -102,6 +104,8 @@ def append_kv(cache, layer: int, k, v, step: StepIndices) -> None:
     T = step.num_tokens
     engine, layer = cache._engine, int(layer)
     K, V = cache._kv[layer]  # the layer is validated above
+    if cache._fp8:
+        return _append_fp8(api, cache, engine, layer, spec, k, v, step, T)
     dt = cache.config.dtype
     k = _check_heads(api, "k", engine.kv_input(api, "k", k, K.dtype, dt), T, spec.kv_heads, spec.head_dim,
                      storage_dtype=K.dtype)
@@ -113,6 +117,26 @@ def append_kv(cache, layer: int, k, v, step: StepIndices) -> None:
     if sm.shape != (T,):
         raise ValueError(f"{api}: step.slot_mapping.shape={sm.shape} != ({T},)")
     bad = engine.scatter_kv(K, V, k, v, sm)
+    if bad >= 0:  # spec/slot-cache.md §7.1: nothing was written
+        raise IndexError(f"{api}: step.slot_mapping[{bad}]={int(sm[bad])} out of range [0, {K.shape[0] * K.shape[1]})")
+
+
+def _append_fp8(api: str, cache, engine, layer: int, spec, k, v, step: StepIndices, T: int) -> None:
+    """spec/slot-cache.md §10.2: quantise a step's K/V into an FP8 layer (checks first, then the write)."""
+    K, V = cache._kv[layer]
+    Ks, Vs = cache._scales[layer]
+    k = _check_heads(api, "k", engine.kv_input_float32(api, "k", k), T, spec.kv_heads, spec.head_dim)
+    v = _check_heads(api, "v", engine.kv_input_float32(api, "v", v), T, spec.kv_heads, spec.head_dim)
+    sm = step.slot_mapping
+    if not hasattr(sm, "shape"):
+        sm = np.asarray(sm, dtype=np.int64)
+    if sm.shape != (T,):
+        raise ValueError(f"{api}: step.slot_mapping.shape={sm.shape} != ({T},)")
+    for name, x in (("k", k), ("v", v)):
+        bad = engine.first_nonfinite(x)
+        if bad >= 0:
+            raise ValueError(f"{api}: {name}[{bad}] has a non-finite value, FP8 storage needs finite inputs")
+    bad = engine.scatter_kv_fp8(K, V, Ks, Vs, k, v, sm, cache.config.block_size)
     if bad >= 0:  # spec/slot-cache.md §7.1: nothing was written
         raise IndexError(f"{api}: step.slot_mapping[{bad}]={int(sm[bad])} out of range [0, {K.shape[0] * K.shape[1]})")
 
@@ -132,7 +156,8 @@ def gather_kv(cache, layer: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
     Returns
     -------
     K, V : ndarray, config.dtype, [n, kv_heads, head_dim]
-        Copies.
+        Copies. An FP8 cache returns float32, dequantised (``spec/slot-cache.md`` §10.3:
+        stored value times its unit's scale).
 
     Raises
     ------
@@ -146,13 +171,22 @@ def gather_kv(cache, layer: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
     slot = _check_index(api, "slot", slot, cache.config.max_seqs)
     layer = int(layer)
     K, V = cache.keys(layer), cache.values(layer)
+    engine = cache.engine
+    if cache._fp8:
+        Ks, Vs = cache._scales[layer]
+        P = cache.config.block_size
+
+        def gather(K, V, slot, n, row, bs):
+            return engine.gather_kv_fp8(K, V, Ks, Vs, slot, n, row, bs, P)
+    else:
+        gather = engine.gather_kv
     if spec.kind is LayerKind.CROSS_ATTENTION:
-        return cache.engine.gather_kv(K, V, slot, int(cache._enc[slot]), None, 0)
+        return gather(K, V, slot, int(cache._enc[slot]), None, 0)
     n = int(cache._seq[slot])
     if cache.mode() is KVCacheMode.CONTIGUOUS:
-        return cache.engine.gather_kv(K, V, slot, n, None, 0)
+        return gather(K, V, slot, n, None, 0)
     # spec/slot-cache.md §7.2: paged positions are read through the slot's current table row.
-    return cache.engine.gather_kv(K, V, slot, n, cache._table[slot], cache.config.block_size)
+    return gather(K, V, slot, n, cache._table[slot], cache.config.block_size)
 
 
 def varlen_attention(q, cache, layer: int, step: StepIndices, scale: float | None = None) -> np.ndarray:
@@ -182,6 +216,7 @@ def varlen_attention(q, cache, layer: int, step: StepIndices, scale: float | Non
     Returns
     -------
     float32 [T, q_heads, head_dim]
+        An FP8 cache is read dequantised, exactly as ``gather_kv`` returns it (``spec/slot-cache.md`` §10.3).
 
     Raises
     ------
@@ -211,5 +246,10 @@ def varlen_attention(q, cache, layer: int, step: StepIndices, scale: float | Non
             slot = int(engine.to_host(step.slot_ids)[b])
             raise ValueError(f"{api}: step.cross_seqused_k[{b}]=0 for slot {slot}, fill layer {layer} first")
     block_size = cache.config.block_size if cache.mode() is KVCacheMode.PAGED else None
+    if cache._fp8:
+        # spec/slot-cache.md §10.3: keys and values dequantised exactly as gather_kv returns them.
+        Ks, Vs = cache._scales[layer]
+        return engine.attend(q, cache.keys(layer), cache.values(layer), spec.kind, spec.window, step, block_size,
+                             float(scale), kv_scales=(Ks, Vs, cache.config.block_size))
     return engine.attend(q, cache.keys(layer), cache.values(layer), spec.kind, spec.window, step, block_size,
                          float(scale))

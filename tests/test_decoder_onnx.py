@@ -55,13 +55,13 @@ VARIANTS = {
     "slot-paged-sliding": ("slot", SLIDING, dict(mode="paged", num_blocks=20), None, 1e-4),
     "slot-paged-bf16": ("slot", FULL, dict(mode="paged", num_blocks=20, dtype="bfloat16"), "bfloat16", BF16_ATOL),
     "slot-paged-fp16": ("slot", SLIDING, dict(mode="paged", num_blocks=20, dtype="float16"), "float16", FP16_ATOL),
-    "manager": ("manager", FULL, dict(num_blocks=16), None, 1e-4),
-    "manager-host-tier": ("manager", FULL, dict(num_blocks=14, host_bytes=1 << 20), None, 1e-4),
+    "manager": ("manager", FULL, dict(num_blocks=16, max_seq_len=40), None, 1e-4),
+    "manager-host-tier": ("manager", FULL, dict(num_blocks=14, max_seq_len=40, host_bytes=1 << 20), None, 1e-4),
     # two pages of host memory, the rest of what is evicted goes to disk and comes back from it
-    "manager-disk-tier": ("manager", FULL, dict(num_blocks=14, host_bytes=8192, disk_bytes=1 << 20), None, 1e-4),
-    "manager-sliding": ("manager", SLIDING, dict(num_blocks=16), None, 1e-4),
-    "manager-2-replicas": ("manager", FULL, dict(num_blocks=12, replicas=2, max_batch_size=2), None, 1e-4),
-    "manager-bf16": ("manager", FULL, dict(num_blocks=16, dtype="bfloat16"), "bfloat16", BF16_ATOL),
+    "manager-disk-tier": ("manager", FULL, dict(num_blocks=14, max_seq_len=40, host_bytes=8192, disk_bytes=1 << 20), None, 1e-4),
+    "manager-sliding": ("manager", SLIDING, dict(num_blocks=16, max_seq_len=40), None, 1e-4),
+    "manager-2-replicas": ("manager", FULL, dict(num_blocks=12, max_seq_len=40, replicas=2, max_batch_size=2), None, 1e-4),
+    "manager-bf16": ("manager", FULL, dict(num_blocks=16, max_seq_len=40, dtype="bfloat16"), "bfloat16", BF16_ATOL),
 }
 
 _MODELS: dict = {}
@@ -155,7 +155,7 @@ def test_bfloat16_storage_against_float32_onnx_runtime():
 def test_a_wrong_position_offset_fails_the_comparison(kind):
     """An engine that adds 1 to the position of tokens after cached history (rotary off by one)."""
     model = model_for(FULL)
-    kw = dict(num_blocks=20) if kind == "slot" else dict(num_blocks=16)
+    kw = dict(num_blocks=20) if kind == "slot" else dict(num_blocks=16, max_seq_len=40)
     server = make_server(kind, kvref, model, past_offset=1, **kw)
     result = server.serve(chat_workload(model.config.vocab_size))
     with pytest.raises(AssertionError, match="logits differ"):
@@ -191,7 +191,7 @@ def test_a_stale_block_fails_the_comparison(kind):
     if kind == "slot":
         server = SlotCacheServer(kvref, model, num_blocks=20, on_admit=slot_hook)
     else:
-        server = ManagerServer(kvref, model, num_blocks=16, on_admit=manager_hook)
+        server = ManagerServer(kvref, model, num_blocks=16, max_seq_len=40, on_admit=manager_hook)
     result = server.serve(chat_workload(model.config.vocab_size))
     assert done, "no admission hit a cached block"
     with pytest.raises(AssertionError, match="logits differ"):
@@ -261,6 +261,10 @@ def test_a_pool_smaller_than_one_request_is_reported(kind):
     from decoder import Request
 
     model = model_for(FULL)
+    if kind == "manager":  # the manager refuses a max_seq_len its pool cannot hold at construction (spec/manager.md §1.6)
+        with pytest.raises(ValueError, match="max_seq_len=64 needs 16 pages"):
+            make_server(kind, kvref, model, chunk_size=64, num_blocks=4)
+        return
     server = make_server(kind, kvref, model, chunk_size=64, num_blocks=4)
     with pytest.raises(RuntimeError, match="does not fit"):
         server.serve([Request("long", tuple(range(1, 40)), 2), Request("other", (1, 2, 3), 2)])

@@ -593,7 +593,9 @@ def _manager(tmp_path, *, host_pages=1, num_blocks=6, connector=None, **kw):
         host_offload_bytes=host_pages * p.page_bytes(), disk_offload_bytes=32 * file_bytes,
         disk_offload_dir=str(tmp_path / "kv"), **kw,
     )
-    return PagedKVCacheManager(p, num_blocks=num_blocks, max_batch_size=4, max_seq_len=64, connector=connector), p
+    # spec/manager.md §1.6: at most what the pool holds
+    return PagedKVCacheManager(p, num_blocks=num_blocks, max_batch_size=4, max_seq_len=min(64, (num_blocks - 1) * PS),
+                               connector=connector), p
 
 
 def _published_pages_hold_their_kv(m, registry) -> None:

@@ -367,7 +367,7 @@ def test_tiered_manager_on_cuda_offloads_evicts_and_reloads(emulated, tmp_path, 
     for name, mod, dev in (("ref", kvref, "cpu"), ("fast", kvfast, "cuda")):
         params = KVCacheParams(**geo, host_offload_bytes=3 * pb, disk_offload_bytes=64 * pb,
                                disk_offload_dir=str(tmp_path / name))
-        m = mod.PagedKVCacheManager(params, num_blocks=8, max_batch_size=1, max_seq_len=16, device=dev)
+        m = mod.PagedKVCacheManager(params, num_blocks=8, max_batch_size=1, max_seq_len=14, device=dev)
         out[name] = _tiered_run(m, prompts, rounds=2)
         met = m.get_metrics_aggregated()
         hits[name] = (met.d2h_bytes_copied, met.h2d_bytes_copied, met.disk_bytes_written, met.disk_bytes_read)
@@ -446,10 +446,10 @@ def test_manager_scheduler_diff_on_cuda(emulated, monkeypatch):
     monkeypatch.setattr(d, "_norm", norm)
 
     class OnCuda(d.ManagerDiff):
-        @initialize(cfg=st.sampled_from(["hybrid", "replicas", "fast"]), num_blocks=st.integers(4, 12))
+        @initialize(cfg=st.sampled_from(["hybrid", "replicas", "fast"]), num_blocks=st.integers(8, 14))
         def setup(self, cfg, num_blocks):
-            super().setup(cfg, num_blocks)
-            self.sides[1] = kvfast.PagedKVCacheManager(self.params, num_blocks=num_blocks, max_batch_size=3,
+            super().setup(cfg, num_blocks)  # sizes the pool to hold MAX_SEQ (spec/manager.md §1.6)
+            self.sides[1] = kvfast.PagedKVCacheManager(self.params, num_blocks=self.num_blocks, max_batch_size=3,
                                                        max_seq_len=d.MAX_SEQ, device="cuda")
 
     run_state_machine_as_test(OnCuda, settings=settings(max_examples=15, stateful_step_count=20, deadline=None,

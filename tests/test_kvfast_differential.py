@@ -113,8 +113,11 @@ class ManagerDiff(RuleBasedStateMachine):
     """A scheduler driving a kvref and a kvfast manager with the same calls."""
 
     @initialize(cfg=st.sampled_from(["fast", "fast", "fast", "fast_nocache", "xxh3", "hybrid", "replicas"]),
-                num_blocks=st.integers(4, 12))
+                num_blocks=st.integers(8, 14))
     def setup(self, cfg, num_blocks):
+        if cfg == "hybrid":  # spec/manager.md §1.6: the pool holds one MAX_SEQ request of every leaf
+            num_blocks = max(num_blocks, 11)
+        self.num_blocks = num_blocks
         kw = dict(CONFIGS[cfg])
         self.cfg = cfg
         self.params = KVCacheParams(page_size=PAGE, num_layers=1, kv_heads=1, head_dim=1, dtype="float32", **kw)
@@ -317,7 +320,7 @@ def test_peer_adapter_lifecycle_matches_reference():
     rng = np.random.default_rng(5)
     prefixes = [rng.integers(0, 50, 24).tolist() for _ in range(3)]
     sides = [mod.PagedKVCacheManager(KVCacheParams(page_size=4, num_layers=1, kv_heads=1, head_dim=1),
-                                     num_blocks=40, max_batch_size=8, max_seq_len=256) for mod in (kvref, kvfast)]
+                                     num_blocks=40, max_batch_size=8, max_seq_len=156) for mod in (kvref, kvfast)]
     for wave in range(6):
         reqs = []
         for j in range(6):
@@ -366,7 +369,7 @@ def test_manager_collisions_never_serve_wrong_tokens():
     with collide_hashes():
         for mod in (kvref, kvfast):
             m = mod.PagedKVCacheManager(KVCacheParams(page_size=2, num_layers=1, kv_heads=1, head_dim=1),
-                                        num_blocks=16, max_batch_size=4, max_seq_len=32)
+                                        num_blocks=16, max_batch_size=4, max_seq_len=30)
             out = []
             for rid, prompt in (("a", [1, 2, 3, 4, 5]), ("b", [1, 2, 9, 9, 5]), ("c", [7, 7, 3, 4, 5]),
                                 ("d", [1, 2, 3, 4, 6])):

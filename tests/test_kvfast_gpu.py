@@ -2,8 +2,7 @@
 
 Every test is marked ``gpu`` and skips with a reason when CuPy or a device is
 missing; without a GPU the kernels are still compiled by
-``test_kvfast_nvrtc.py`` and the Numba-CUDA ones run in the simulator
-(``test_kvfast_cudasim.py``).
+``test_kvfast_nvrtc.py`` and run on the host by ``test_kernel_harness.py``.
 """
 
 import numpy as np

@@ -12,11 +12,15 @@ import kvref
 from kvspec import CompletedTransfer, KVCacheParams, TextContext
 from kvspec.errors import InsufficientBlocksError
 
+from _pool_sizes import holdable  # noqa: E402
+
 PAGE = 4
 
 
-def _pair(num_blocks=12, max_seq_len=64):
+def _pair(num_blocks=12, max_seq_len=None):
     p = KVCacheParams(page_size=PAGE, num_layers=1, kv_heads=1, head_dim=2)
+    if max_seq_len is None:  # the longest the pool holds, at most 64 (spec/manager.md §1.6)
+        max_seq_len = holdable(kvref.PagedKVCacheManager, p, num_blocks, 64)
     kw = dict(num_blocks=num_blocks, max_batch_size=4, max_seq_len=max_seq_len)
     return kvref.PagedKVCacheManager(p, **kw), kvfast.PagedKVCacheManager(p, **kw)
 
@@ -88,7 +92,10 @@ def test_decode_lifecycle_with_fills_and_growth_matches_reference():
 
 
 def test_decode_growth_without_free_blocks_raises_and_changes_nothing():
-    pair = _pair(num_blocks=4)  # 3 usable blocks
+    pair = _pair(num_blocks=5)  # 4 usable blocks (max_seq_len 16: spec/manager.md §1.6)
+    h = _ctxs("h", np.arange(100, 103))  # holds the 4th block
+    _both(pair, h, "claim")
+    _both(pair, h, "alloc")
     c = _ctxs("a", np.arange(12))  # exactly 3 blocks
     _both(pair, c, "claim")
     _both(pair, c, "alloc")

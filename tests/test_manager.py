@@ -21,12 +21,16 @@ from kvspec import (
     block_hashes,
 )
 
+from _pool_sizes import holdable
+
 PAGE = 4
 
 
-def make(num_blocks=9, page=PAGE, dp=1, leaves=None, caching=True, max_batch_size=4, max_seq_len=64, **kw):
+def make(num_blocks=9, page=PAGE, dp=1, leaves=None, caching=True, max_batch_size=4, max_seq_len=None, **kw):
     params = KVCacheParams(page_size=page, num_layers=2, kv_heads=1, head_dim=2, dtype="float32",
                            data_parallel_degree=dp, enable_prefix_caching=caching, leaves=leaves)
+    if max_seq_len is None:  # the longest the pool holds, at most 64 tokens
+        max_seq_len = holdable(PagedKVCacheManager, params, num_blocks)
     return PagedKVCacheManager(params, num_blocks=num_blocks, max_batch_size=max_batch_size,
                                max_seq_len=max_seq_len, **kw)
 
@@ -152,12 +156,23 @@ def test_out_of_blocks_rolls_back_everything_and_retry_succeeds():
 
 
 def test_larger_than_pool_always_raises():
-    m = make(num_blocks=3, max_seq_len=64)
-    ctx = TextContext("a", list(range(9)))
+    # spec/manager.md §1.6: a pool that can never hold a max_seq_len request is refused up front ...
+    with pytest.raises(ValueError, match=r"max_seq_len=64 needs 16 pages of leaf 'full' for one request, "
+                                         r"the pool has 2 \(num_blocks=3"):
+        make(num_blocks=3, max_seq_len=64)
+    # ... and a context larger than what is free raises, nothing drawn.
+    m = make(num_blocks=3)
+    assert m.effective_max_seq_length == 8
+    held = TextContext("h", [7])
+    m.claim(held)
+    m.alloc(held)
+    ctx = TextContext("a", list(range(8)))
     m.claim(ctx)
     with pytest.raises(InsufficientBlocksError):
         m.alloc(ctx)
-    assert m.block_count() == BlockCount(2, 2)
+    assert m.block_count() == BlockCount(1, 2)
+    m.release(held)
+    m.alloc(ctx)
 
 
 # --------------------------------------------------------------------------- 4. hit semantics
@@ -598,7 +613,8 @@ def test_recurrent_checkpoint_at_page_boundaries_and_restore():
     live = rows["rec"][0]
     assert len(rows["rec"]) == 2
     buf = m.get_device_buffer(0)["rec"]
-    assert buf.shape == (20, 3) and not buf[live].any()
+    # spec/manager.md §13: the state leaf's pages are the slab's huge blocks cut at its ratio
+    assert buf.shape == (20 * m.slab_geometry.ratios["rec"], 3) and not buf[live].any()
     buf[live] = [8.0, 8.0, 8.0]  # the state after 8 tokens
     ctx.advance_chunk()
     m.step(ctx)  # processed 8: checkpoint under h_1
@@ -662,8 +678,10 @@ def test_block_count_and_pressure():
 
 
 def test_effective_max_seq_length_and_properties():
-    m = make(num_blocks=9, max_seq_len=100)
+    m = make(num_blocks=9, max_seq_len=32)
     assert m.effective_max_seq_length == 32
+    with pytest.raises(ValueError, match=r"max_seq_len=100 needs 25 pages of leaf 'full'"):
+        make(num_blocks=9, max_seq_len=100)  # spec/manager.md §1.6
     assert make(num_blocks=90, max_seq_len=100).effective_max_seq_length == 100
     assert m.params.page_size == PAGE and m.chunk_alignment_tokens == 0
 
@@ -1183,7 +1201,7 @@ def test_default_connector_is_tiered_when_params_ask_for_tiers():
 
     params = KVCacheParams(page_size=PAGE, num_layers=2, kv_heads=1, head_dim=2, dtype="float32",
                            host_offload_bytes=64 * 1024)
-    m = PagedKVCacheManager(params, num_blocks=16, max_batch_size=4, max_seq_len=64)
+    m = PagedKVCacheManager(params, num_blocks=17, max_batch_size=4, max_seq_len=64)
     assert isinstance(m._connector, TieredConnector)
     assert m.host_byte_count().total > 0
     toks = list(range(13))

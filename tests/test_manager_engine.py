@@ -27,9 +27,9 @@ def test_engines_and_pools_satisfy_the_protocols():
         assert isinstance(eng, ManagerEngine)
         assert isinstance(eng.block_pool(4), BlockPool)
     p = KVCacheParams(page_size=2, num_layers=1, kv_heads=1, head_dim=1)
-    assert type(kvref.PagedKVCacheManager(p, num_blocks=4, max_batch_size=1, max_seq_len=8)._engine) \
+    assert type(kvref.PagedKVCacheManager(p, num_blocks=5, max_batch_size=1, max_seq_len=8)._engine) \
         is kvref.ReferenceManagerEngine
-    assert type(kvfast.PagedKVCacheManager(p, num_blocks=4, max_batch_size=1, max_seq_len=8)._engine) \
+    assert type(kvfast.PagedKVCacheManager(p, num_blocks=5, max_batch_size=1, max_seq_len=8)._engine) \
         is FastManagerEngine
 
 

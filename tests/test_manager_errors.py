@@ -6,6 +6,7 @@ import hashlib
 import numpy as np
 import pytest
 
+from _pool_sizes import holdable
 from kvref import PagedKVCacheManager
 from kvspec import (
     InsufficientBlocksError,
@@ -18,9 +19,11 @@ from kvspec import (
 PAGE = 4
 
 
-def make(num_blocks=9, dp=1, leaves=None, max_batch_size=2, max_seq_len=32, **kw):
+def make(num_blocks=9, dp=1, leaves=None, max_batch_size=2, max_seq_len=None, **kw):
     params = KVCacheParams(page_size=PAGE, num_layers=1, kv_heads=1, head_dim=2, dtype="float32",
                            data_parallel_degree=dp, leaves=leaves)
+    if max_seq_len is None:  # the longest the pool holds, at most 32 (spec/manager.md §1.6)
+        max_seq_len = holdable(PagedKVCacheManager, params, num_blocks, 32)
     return PagedKVCacheManager(params, num_blocks=num_blocks, max_batch_size=max_batch_size,
                                max_seq_len=max_seq_len, **kw)
 
@@ -179,7 +182,7 @@ def test_alloc_out_of_blocks_with_a_splice_rolls_back(busy):
 
 def test_alloc_out_of_blocks_in_a_hybrid_leaf_rolls_back():
     leaves = {"full": LeafSpec.full(), "swa": LeafSpec.sliding_window(5), "rec": LeafSpec.recurrent((2,))}
-    m = make(num_blocks=6, leaves=leaves)
+    m = make(num_blocks=11, leaves=leaves)  # spec/manager.md §13: 10 huge blocks the three leaves share
     a = TextContext("a", list(range(8)))
     m.claim(a)
     m.alloc(a)

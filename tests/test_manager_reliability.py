@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from _pool_sizes import holdable
 from test_manager import PAGE, DictConnector, forward
 
 import kvfast
@@ -22,11 +23,13 @@ from kvspec import KVCacheParams, LeafSpec, TextContext
 PKGS = pytest.mark.parametrize("pkg", [kvref, kvfast], ids=["kvref", "kvfast"])
 
 
-def _mgr(pkg, *, page=2, num_blocks=16, **kw):
+def _mgr(pkg, *, page=2, num_blocks=17, **kw):  # 16 pages hold max_seq_len=32 (spec/manager.md §1.6)
     params = KVCacheParams(page_size=page, num_layers=1, kv_heads=1, head_dim=1, dtype="float32",
                            leaves=kw.pop("leaves", None))
-    return pkg.PagedKVCacheManager(params, num_blocks=num_blocks, max_batch_size=4,
-                                   max_seq_len=kw.pop("max_seq_len", 32), **kw)
+    seq = kw.pop("max_seq_len", None)
+    if seq is None:  # the longest the pool holds, at most 32 (spec/manager.md §1.6)
+        seq = holdable(pkg.PagedKVCacheManager, params, num_blocks, 32)
+    return pkg.PagedKVCacheManager(params, num_blocks=num_blocks, max_batch_size=4, max_seq_len=seq, **kw)
 
 
 def _run(m, rid, prompt, release=True, steps=1):
@@ -161,7 +164,7 @@ def test_chain_head_ranks_newer_than_its_loaded_tail(pkg):
 
 @PKGS
 def test_salted_root_cache_is_bounded(pkg):
-    m = _mgr(pkg, num_blocks=8)
+    m = _mgr(pkg, num_blocks=8, max_seq_len=14)
     for i in range(300):
         ctx = TextContext(f"r{i}", [1, 2, 3], cache_salt=f"tenant-{i}")
         m.claim(ctx)

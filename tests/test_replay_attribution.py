@@ -76,17 +76,20 @@ def test_isolated_by_salt_only():
     assert same.hit_tokens == same.ceiling_hit_tokens == 8 and same.lost_hit_tokens == {}
 
 
-def test_other_replica_only():
-    # A sliding-window leaf (no cross-replica copies): a's prefill takes the whole first step; then a
-    # keeps replica 0 busy decoding (one request per replica per step), so b, sharing a's committed
-    # prompt, is routed to replica 1 where nothing is cached.
+def test_other_replica_pages_are_copied_not_lost():
+    # A sliding-window leaf: a's prefill takes the whole first step; then a keeps replica 0 busy
+    # decoding (one request per replica per step), so b, sharing a's committed prompt, is routed to
+    # replica 1. Cross-replica copies serve every leaf kind (spec/manager.md §7.3), so nothing is lost
+    # there: ``other_replica`` needs a manager whose peers cannot serve (tests/test_replay_causes.py).
     p = list(range(1, 13))
     w = [req("a", p, list(range(200, 230))), req("b", p + [50, 51], [98])]
     cfg = ReplayConfig(page_size=4, num_blocks=64, replicas=2, max_batch_size=1, max_inflight=2,
                        max_batch_tokens=12,
                        leaves=(("full", LeafSpec.full()), ("swa", LeafSpec.sliding_window(8))), **TINY)
     s = replay(w, cfg)
-    assert only(s, "other_replica") == 12
+    assert s.attribution_mismatches == 0
+    assert s.manager_metrics["cross_replica_blocks_copied"] > 0
+    assert s.hit_tokens == s.ceiling_hit_tokens == 12 and s.lost_hit_tokens == {}
 
 
 def test_no_checkpoint_only():

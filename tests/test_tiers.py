@@ -202,9 +202,9 @@ def test_collected_owner_frees_the_connector(params):
 def test_second_manager_cannot_take_a_live_managers_connector(params):
     """Through the manager API: the second manager's construction raises, the first keeps working."""
     conn = TieredConnector(host_bytes=8 * params.page_bytes())
-    m1 = kvref.PagedKVCacheManager(params, num_blocks=16, max_batch_size=2, max_seq_len=64, connector=conn)
+    m1 = kvref.PagedKVCacheManager(params, num_blocks=16, max_batch_size=2, max_seq_len=60, connector=conn)
     with pytest.raises(RuntimeError, match="another live owner"):
-        kvref.PagedKVCacheManager(params, num_blocks=16, max_batch_size=2, max_seq_len=64, connector=conn)
+        kvref.PagedKVCacheManager(params, num_blocks=16, max_batch_size=2, max_seq_len=60, connector=conn)
     m1.shutdown()
 
 
@@ -636,7 +636,7 @@ def test_end_to_end_replicas_share_the_host_tier():
 
     p = make_params(data_parallel_degree=2)
     conn = TieredConnector(host_bytes=8 * p.page_bytes())
-    m = PagedKVCacheManager(p, num_blocks=8, max_batch_size=2, max_seq_len=32, connector=conn)
+    m = PagedKVCacheManager(p, num_blocks=8, max_batch_size=2, max_seq_len=28, connector=conn)
     prompt = np.arange(40, 53, dtype=np.int32)  # 3 full hashed blocks
     run_request(m, TextContext("a", prompt), replica_idx=0)
     settle_manager(m, 0)

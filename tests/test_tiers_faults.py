@@ -25,6 +25,8 @@ from _fault_connector import (
     settle_manager,
     write_forward,
 )
+from _hybrid_model import flush as flush_leaves
+from _hybrid_model import published_ok, register_prefixes, write_leaves
 from hypothesis import note, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -73,13 +75,13 @@ def primed(tmp_path):
     and a fresh manager over it behind a gated FaultConnector."""
     p = make_params()
     first = PagedKVCacheManager(
-        p, num_blocks=12, max_batch_size=2, max_seq_len=32,
+        p, num_blocks=12, max_batch_size=2, max_seq_len=22,
         connector=TieredConnector(0, 10**6, tmp_path / "kv"),
     )
     run_request(first, TextContext("prime", PROMPT))
     first.shutdown()
     fc = FaultConnector(TieredConnector(0, 10**6, tmp_path / "kv"), gated=True)
-    m = PagedKVCacheManager(p, num_blocks=12, max_batch_size=2, max_seq_len=32, connector=fc)
+    m = PagedKVCacheManager(p, num_blocks=12, max_batch_size=2, max_seq_len=22, connector=fc)
     yield m, fc
     m.shutdown()
 
@@ -218,13 +220,13 @@ def test_forward_past_a_failed_load_makes_alloc_raise(primed):
 def test_kth_load_fails_and_kth_lookup_misses(tmp_path):
     """Fail the 2nd load and miss the 3rd lookup; the others are served from the tiers."""
     p = make_params()
-    first = PagedKVCacheManager(p, num_blocks=12, max_batch_size=2, max_seq_len=32,
+    first = PagedKVCacheManager(p, num_blocks=12, max_batch_size=2, max_seq_len=22,
                                 connector=TieredConnector(0, 10**6, tmp_path / "kv"))
     run_request(first, TextContext("prime", PROMPT))
     first.shutdown()
     fc = FaultConnector(TieredConnector(0, 10**6, tmp_path / "kv"), load_faults={2: "fail_later"},
                         lookup_misses={3})
-    m = PagedKVCacheManager(p, num_blocks=12, max_batch_size=2, max_seq_len=32, connector=fc)
+    m = PagedKVCacheManager(p, num_blocks=12, max_batch_size=2, max_seq_len=22, connector=fc)
     ext = []
     for i in range(4):
         ctx = TextContext(f"r{i}", PROMPT)
@@ -264,18 +266,35 @@ class TieredFaultMachine(RuleBasedStateMachine):
     Rules are whole scheduler actions (admit, one iteration over the batch,
     preempt, flush the device cache, land transfers, arm a fault, reset), so
     a short run still offloads, evicts and reloads.
+
+    Parameters (class attributes, so a subclass runs the same machine over
+    another manager): ``leaves`` (``None``: one full leaf; else the leaves,
+    "full" first: every leaf is written by ``_hybrid_model.write_leaves`` and
+    every published page of every leaf checked), ``num_blocks``, and the
+    tiers' room in pages: ``host_pages`` and ``disk_files``, and
+    ``warm_decode``, the decode steps each warm-up prompt runs (a recurrent
+    leaf hits only at a checkpoint a decode step published).
     """
+
+    leaves = None
+    num_blocks = 12
+    host_pages = 4
+    disk_files = 8
+    warm_decode = 0
 
     def __init__(self):
         super().__init__()
         self.dir = tempfile.mkdtemp(prefix="kvtiers-")
-        p = make_params()
+        p = make_params(leaves=self.leaves)
         page = p.page_bytes()
         from kvref._disk_tier import header_len
 
-        inner = TieredConnector(4 * page, 8 * (header_len(PS) + page), self.dir, num_workers=2)
+        inner = TieredConnector(self.host_pages * page, self.disk_files * (header_len(PS) + page), self.dir,
+                                num_workers=2)
         self.fc = FaultConnector(inner, gated=True)
-        self.m = PagedKVCacheManager(p, num_blocks=12, max_batch_size=4, max_seq_len=16, connector=self.fc)
+        self.m = PagedKVCacheManager(p, num_blocks=self.num_blocks, max_batch_size=4, max_seq_len=16,
+                                     connector=self.fc)
+        self.prefixes: dict[bytes, np.ndarray] = {}  # h_i -> tokens up to block i's end (hybrid checks)
         self.live: dict[str, tuple[TextContext, object]] = {}
         self.registry: dict[bytes, int] = {}
         self.served: list[tuple[int, ...]] = []
@@ -288,7 +307,7 @@ class TieredFaultMachine(RuleBasedStateMachine):
                 self._release(rid)
             settle_manager(self.m, land=self.fc.land)
             no_leak(self.m)
-            published_kv_ok(self.m, self.registry)
+            self._published_ok()
         finally:
             try:
                 self.m.shutdown()
@@ -301,7 +320,8 @@ class TieredFaultMachine(RuleBasedStateMachine):
         for prompt in prompts:
             self._admit(prompt)
         while self.live:
-            self.iterate()
+            for _ in range(1 + self.warm_decode):
+                self.iterate()
             for rid in sorted(self.live):
                 self._release(rid)
         settle_manager(self.m, land=self.fc.land)
@@ -360,12 +380,17 @@ class TieredFaultMachine(RuleBasedStateMachine):
             note(f"{rid}: cordoned (load in flight)")
             return
         note(f"{rid}: forward over [{ctx.processed_length}, {ctx.current_position})")
-        row = self.m.get_req_blocks_per_leaf(ctx)["full"]
-        write_forward(self.m.get_device_buffer(0), row, ctx.tokens, ctx.processed_length, ctx.current_position)
+        if self.leaves is None:
+            row = self.m.get_req_blocks_per_leaf(ctx)["full"]
+            write_forward(self.m.get_device_buffer(0), row, ctx.tokens, ctx.processed_length, ctx.current_position)
+        else:
+            write_leaves(self.m, ctx)
         self.m.runtime_inputs([[ctx]])
         ctx.update(next_token(ctx.tokens, VOCAB))
         self.m.step(ctx)
         register(self.registry, ctx.tokens)
+        if self.leaves is not None:
+            register_prefixes(self.prefixes, ctx.tokens, PS)
         prompt = tuple(int(x) for x in ctx.tokens[:-1])
         if prompt not in self.served:
             self.served.append(prompt)
@@ -398,7 +423,10 @@ class TieredFaultMachine(RuleBasedStateMachine):
         """Evict every unreferenced page from the device prefix cache, so the
         next admissions can only hit in the tiers."""
         note(f"flush the device cache ({self.m.block_count().free} free blocks)")
-        flush_device(self.m)
+        if self.leaves is None:
+            flush_device(self.m)
+        else:
+            flush_leaves(self.m)
 
     @rule()
     def land(self):
@@ -424,9 +452,16 @@ class TieredFaultMachine(RuleBasedStateMachine):
     def pool_partitioned_and_kv_correct(self):
         self.m.check_invariants()
         self.fc.inner.check_invariants()
-        published_kv_ok(self.m, self.registry)
+        self._published_ok()
         bc = self.m.block_count()
         assert 0 <= bc.free <= bc.total
+
+    def _published_ok(self):
+        """Every published page holds the model's bytes (every leaf's, with several leaves)."""
+        if self.leaves is None:
+            published_kv_ok(self.m, self.registry)
+        else:
+            published_ok(self.m, self.prefixes)
 
     @invariant()
     def nothing_pinned_without_a_transfer(self):

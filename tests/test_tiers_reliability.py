@@ -134,7 +134,7 @@ _PROC = textwrap.dedent(
     params = KVCacheParams(page_size=4, num_layers=1, kv_heads=1, head_dim=2, dtype="float32", model_id=model)
     conn = TieredConnector(host_bytes=0, disk_bytes=1 << 20, disk_dir=root)
     try:
-        m = PagedKVCacheManager(params, num_blocks=16, max_batch_size=2, max_seq_len=64, connector=conn)
+        m = PagedKVCacheManager(params, num_blocks=16, max_batch_size=2, max_seq_len=60, connector=conn)
     except ValueError as err:
         print("refused", err)
         sys.exit(0)
@@ -478,7 +478,7 @@ def test_no_memory_error_from_a_huge_sparse_file_through_the_manager(tmp_path):
 
     def manager():
         conn = TieredConnector(host_bytes=0, disk_bytes=10**6, disk_dir=tmp_path / "kv")
-        return conn, kvref.PagedKVCacheManager(params, num_blocks=16, max_batch_size=2, max_seq_len=64,
+        return conn, kvref.PagedKVCacheManager(params, num_blocks=16, max_batch_size=2, max_seq_len=60,
                                                connector=conn)
 
     conn, m = manager()
@@ -731,7 +731,7 @@ def test_fifo_never_hangs_manager_construction_alloc_or_shutdown(tmp_path, where
 
     def manager():
         conn = TieredConnector(host_bytes=0, disk_bytes=10**6, disk_dir=tmp_path / "kv")
-        return conn, kvref.PagedKVCacheManager(params, num_blocks=16, max_batch_size=2, max_seq_len=64,
+        return conn, kvref.PagedKVCacheManager(params, num_blocks=16, max_batch_size=2, max_seq_len=60,
                                                connector=conn)
 
     conn, m = manager()

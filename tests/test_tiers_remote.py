@@ -20,7 +20,7 @@ _PROC = textwrap.dedent(
     PAGE = 4
     params = KVCacheParams(page_size=PAGE, num_layers=2, kv_heads=1, head_dim=2, dtype="float32")
     conn = TieredConnector(host_bytes=4096, remote_url=url, remote_timeout_s=2.0)
-    m = PagedKVCacheManager(params, num_blocks=16, max_batch_size=4, max_seq_len=64, connector=conn)
+    m = PagedKVCacheManager(params, num_blocks=16, max_batch_size=4, max_seq_len=60, connector=conn)
     ctx = TextContext("r", list(range(100, 113)))
     m.claim(ctx)
     m.alloc(ctx).synchronize()

@@ -199,7 +199,7 @@ def test_connector_with_secret_through_two_managers(server, monkeypatch):
 
     def run(name, secret="KV_TEST_SECRET"):
         conn = TieredConnector(host_bytes=0, remote_url=server.url, remote_timeout_s=2.0, remote_secret=secret)
-        m = PagedKVCacheManager(params, num_blocks=16, max_batch_size=2, max_seq_len=64, connector=conn)
+        m = PagedKVCacheManager(params, num_blocks=16, max_batch_size=2, max_seq_len=60, connector=conn)
         ctx = TextContext(name, list(range(100, 113)))
         m.claim(ctx)
         try:

@@ -24,7 +24,7 @@ PAGES = {
                      "Pure NumPy and the standard library: the executable definition of every behaviour. "
                      "The shared types are on the [kvspec](kvspec.md) page."),
     "api/kvfast.md": ("kvfast: the fast path", ["kvfast", "kvfast.ops"],
-                      "The same classes and results as kvref, faster (Numba on the CPU, CuPy/Numba-CUDA on a "
+                      "The same classes and results as kvref, faster (Numba on the CPU, CuPy RawKernels on a "
                       "GPU). The shared types are on the [kvspec](kvspec.md) page."),
     "api/kvcache.md": ("kvcache: the library behind the command", ["kvcache"],
                        "The replay job, workloads and the infinite-cache ceiling behind `kvcache replay`."),

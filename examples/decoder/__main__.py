@@ -12,7 +12,7 @@ requests = chat_workload(cfg.vocab_size)
 reference = reference_run(OrtDecoder(cfg, model.weights), requests)
 for pkg in (kvref, kvfast):
     for name, server in (("slot cache, paged", SlotCacheServer(pkg, model, num_blocks=20)),
-                         ("manager", ManagerServer(pkg, model, num_blocks=16))):
+                         ("manager", ManagerServer(pkg, model, num_blocks=16, max_seq_len=40))):
         result = server.serve(requests)
         worst = compare(result, reference, atol=1e-4)
         print(f"{pkg.__name__:6} {name:18} tokens equal, max |logit diff| {worst:.2e}, {result.stats}")

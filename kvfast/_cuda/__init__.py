@@ -12,5 +12,5 @@ CuPy is imported lazily, in one place (:func:`kvfast._cuda._module.cupy`), so
 * ``harness``: the ``.cu`` sources compiled for the host with a CUDA shim and
   run over the whole grid through ctypes (CI executes every kernel);
 * ``emulate``: the CPU stand-in for CuPy selected by ``KVFAST_CUDA_EMULATE=1``;
-* ``_nvrtc``: the NVRTC compile check; ``numba_kernels``: the Numba-CUDA kernels.
+* ``_nvrtc``: the NVRTC compile check.
 """

@@ -22,9 +22,11 @@ from ._manager_types import (
     LeafKind,
     LeafSpec,
     PrefixCacheHits,
+    SpecDecodingState,
     TextContext,
+    spec_decode_cache_slack,
 )
-from ._page_store import BookkeepingPageStore, HostPageStore, PageStore
+from ._page_store import BookkeepingPageStore, HostPageStore, PageStore, ScaledPageStore
 from ._step import StepIndices
 from .errors import CapacityError, InsufficientBlocksError, KVLoadFailed, KVLoadRefused
 from .hashing import BlockHash, block_hash, block_hashes, root_hash
@@ -39,4 +41,5 @@ __all__ = [
     "CapacityError", "InsufficientBlocksError", "KVLoadRefused", "KVLoadFailed",
     "BlockHash", "block_hash", "block_hashes", "root_hash", "KV_DTYPES", "STATE_DTYPES",
     "DEFAULT_LEAF_ID", "PageStore", "HostPageStore", "BookkeepingPageStore",
+    "SpecDecodingState", "spec_decode_cache_slack", "ScaledPageStore",
 ]

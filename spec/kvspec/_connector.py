@@ -16,7 +16,40 @@ import numpy as np
 
 from ._manager_types import ByteCount, CompletedTransfer, KVCacheMetrics, KVCacheParams, KVTransfer
 
-__all__ = ["KVConnector", "NullConnector"]
+__all__ = ["KVConnector", "NullConnector", "leaf_block_key"]
+
+#: Domain tag of a leaf's tier key (spec/tiers.md §12); bumping it orphans every stored leaf page.
+LEAF_KEY_TAG = b"kvcache/leaf/v1"
+
+
+def leaf_block_key(block_hash: bytes, leaf_tag: bytes, part: int, hash_algo: str) -> bytes:
+    """The tier key of unit ``part`` of one leaf's page of block ``block_hash`` (spec/tiers.md §12).
+
+    ``H(LEAF_KEY_TAG + u16le(len(leaf_tag)) + leaf_tag + block_hash + u32le(part))`` with ``H``
+    the manager's ``hash_algo`` (so the key has the digest size the tiers check). ``leaf_tag``
+    names the leaf and its layout (``PagedKVCacheManager`` uses ``b"<leaf_id>|<kind>|<window>|
+    <state_shape>|<state_dtype>"``), so a sliding page, a recurrent state and a full page of the
+    same block never share a key, nor do two layouts of one leaf id.
+
+    Parameters
+    ----------
+    block_hash : bytes
+        The block's chained hash ``h_i`` (``kvspec.hashing``).
+    leaf_tag : bytes
+        At most 65535 bytes.
+    part : int
+        The unit index within the page, ``0 <= part < 2**32``.
+    hash_algo : str
+        ``"sha256"`` or ``"xxh3_128"``.
+    """
+    from . import hashing
+
+    if not isinstance(leaf_tag, bytes) or len(leaf_tag) > 0xFFFF:
+        raise ValueError(f"leaf_block_key: leaf_tag={leaf_tag!r:.40}, must be bytes of length <= 65535")
+    if isinstance(part, bool) or not isinstance(part, int) or not 0 <= part < 2**32:
+        raise ValueError(f"leaf_block_key: part={part!r}, must be an int in [0, 2**32)")
+    data = LEAF_KEY_TAG + len(leaf_tag).to_bytes(2, "little") + leaf_tag + bytes(block_hash) + part.to_bytes(4, "little")
+    return hashing._hasher(hash_algo)(data)
 
 
 @runtime_checkable
@@ -34,6 +67,12 @@ class KVConnector(Protocol):
         so a hash collision or a corrupted copy is a refused load, never wrong K/V.
     replica_idx : int
         The replica whose device buffer the block ids index.
+
+    Optional (not part of the ``isinstance`` check): ``set_retention(hashes,
+    priority, seconds, replica_idx=0)``, a request's retention claim on its
+    committed blocks (spec/manager.md §14, spec/tiers.md §3.1: priority
+    ``0 .. 100``, ``seconds`` ``None`` or > 0); the manager calls it at
+    ``release`` when the connector has it.
     """
 
     name: str

@@ -11,7 +11,8 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 import numpy as np
 
 from ._config import check_int
-from ._dtypes import KV_DTYPES, STATE_DTYPES, dtype_name, resolve_dtype
+from ._dtypes import FP8_DTYPES, KV_DTYPES, STATE_DTYPES, dtype_name, resolve_dtype
+from . import retention as _retention
 from .hashing import HASH_ALGOS, salt_bytes
 
 __all__ = [
@@ -28,6 +29,9 @@ __all__ = [
     "KVTransfer",
     "CompletedTransfer",
     "DEFAULT_LEAF_ID",
+    "SpecDecodingState",
+    "SPECULATIVE_METHODS",
+    "spec_decode_cache_slack",
 ]
 
 #: Id of the default full-attention leaf.
@@ -98,7 +102,14 @@ _PARAM_FIELDS = (
     "page_size", "num_layers", "kv_heads", "head_dim", "dtype", "data_parallel_degree",
     "enable_prefix_caching", "hash_algo", "hash_seed", "host_offload_bytes",
     "disk_offload_bytes", "disk_offload_dir", "model_id", "allocate_buffers",
+    "speculative_method", "num_draft_tokens",
 )
+
+#: Speculative-decoding methods (MAX's ``SpeculativeMethod``) and the draft tokens each
+#: draft forward writes (``num_draft_tokens_per_step``): autoregressive drafts one,
+#: block drafts (DFlash) all of them (spec/manager.md "Speculative decoding").
+SPECULATIVE_METHODS = ("standalone", "eagle", "mtp", "dflash", "dflash2")
+_BLOCK_DRAFT_METHODS = ("dflash", "dflash2")
 
 
 class KVCacheParams:
@@ -110,7 +121,8 @@ class KVCacheParams:
         Tokens per page (block), > 0.
     num_layers, kv_heads, head_dim : int
         Geometry of every full/sliding leaf's pages.
-    dtype : {"float16", "bfloat16", "float32"}
+    dtype : {"float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2"}
+        K/V storage; the FP8 dtypes add per-page scales (spec/manager.md §16).
     data_parallel_degree : int
         Replicas, each with its own pools and block ids.
     enable_prefix_caching : bool
@@ -133,6 +145,20 @@ class KVCacheParams:
         accounting) without allocating K/V bytes (bookkeeping-only mode, as
         MAX's ``allocate_buffers``); calls that need the bytes raise
         ``RuntimeError``.
+    speculative_method : {"standalone", "eagle", "mtp", "dflash", "dflash2"}, optional
+        Speculative-decoding method (MAX's ``speculative_method``); decides
+        ``num_draft_tokens_per_step``. Needs ``num_draft_tokens >= 1``.
+    num_draft_tokens : int
+        Draft tokens proposed per speculative iteration (0: no speculation).
+        ``alloc`` reserves MAX's slack for them (spec/manager.md
+        "Speculative decoding").
+
+    Notes
+    -----
+    With an FP8 ``dtype`` (``"float8_e4m3fn"``, ``"float8_e5m2"``) every
+    full/sliding page also carries float32 scales, one per (layer, K/V,
+    kv head): ``page_scales_shape = (2, num_layers, kv_heads)``; one page's
+    payload (``kv_page_bytes``) is its value bytes followed by its scale bytes.
     """
 
     __slots__ = tuple("_" + f for f in _PARAM_FIELDS) + ("_leaves",)
@@ -154,6 +180,8 @@ class KVCacheParams:
         disk_offload_dir: str | None = None,
         model_id: str = "",
         allocate_buffers: bool = True,
+        speculative_method: str | None = None,
+        num_draft_tokens: int = 0,
     ):
         o = "KVCacheParams"
         check_int(o, "page_size", page_size, low=1)
@@ -177,6 +205,12 @@ class KVCacheParams:
             raise ValueError(f"{o}: model_id has {len(model_id.encode('utf-8', 'surrogatepass'))} UTF-8 bytes, must be <= 1024")
         if not isinstance(allocate_buffers, bool):
             raise TypeError(f"{o}: allocate_buffers={allocate_buffers!r}, must be a bool")
+        check_int(o, "num_draft_tokens", num_draft_tokens, low=0, high=2**20)
+        if speculative_method is not None and speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"{o}: speculative_method={speculative_method!r}, must be None or one of "
+                             f"{list(SPECULATIVE_METHODS)}")
+        if speculative_method is not None and not num_draft_tokens:
+            raise ValueError(f"{o}: speculative_method={speculative_method!r} needs num_draft_tokens >= 1, got 0")
         if leaves is None:
             leaf_map = {DEFAULT_LEAF_ID: LeafSpec.full()}
         else:
@@ -196,7 +230,7 @@ class KVCacheParams:
             _PARAM_FIELDS,
             (page_size, num_layers, kv_heads, head_dim, dtype_name(dtype), data_parallel_degree,
              enable_prefix_caching, hash_algo, hash_seed, host_offload_bytes, disk_offload_bytes,
-             disk_offload_dir, model_id, allocate_buffers),
+             disk_offload_dir, model_id, allocate_buffers, speculative_method, num_draft_tokens),
         ):
             object.__setattr__(self, "_" + name, int(value) if isinstance(value, np.integer) else value)
 
@@ -217,6 +251,32 @@ class KVCacheParams:
     disk_offload_dir = property(lambda self: self._disk_offload_dir)
     model_id = property(lambda self: self._model_id)
     allocate_buffers = property(lambda self: self._allocate_buffers)
+    speculative_method = property(lambda self: self._speculative_method)
+    num_draft_tokens = property(lambda self: self._num_draft_tokens)
+
+    @property
+    def num_draft_tokens_per_step(self) -> int:
+        """Draft tokens one draft forward writes (MAX's rule): 0 without a
+        ``speculative_method``; ``num_draft_tokens`` for block drafts
+        (``"dflash"``, ``"dflash2"``); 1 for autoregressive drafts."""
+        if self._speculative_method is None:
+            return 0
+        return self._num_draft_tokens if self._speculative_method in _BLOCK_DRAFT_METHODS else 1
+
+    @property
+    def page_scales_shape(self) -> tuple[int, ...]:
+        """Shape of one full/sliding page's float32 scales, ``(2, num_layers, kv_heads)`` for an
+        FP8 ``dtype``; ``()`` (no scales) otherwise."""
+        if self._dtype in FP8_DTYPES:
+            return (2, self._num_layers, self._kv_heads)
+        return ()
+
+    @property
+    def kv_page_bytes(self) -> int:
+        """Bytes of one full/sliding page's payload: its values, then (FP8) its float32 scales."""
+        values = math.prod(self.page_shape) * self.np_dtype.itemsize
+        scales = self.page_scales_shape
+        return values + (4 * math.prod(scales) if scales else 0)
 
     def leaves(self) -> dict[str, LeafSpec]:
         """``{leaf_id: LeafSpec}`` in declaration order (a copy)."""
@@ -233,11 +293,12 @@ class KVCacheParams:
         return (2, self._num_layers, self._page_size, self._kv_heads, self._head_dim)
 
     def page_bytes(self, leaf_id: str = DEFAULT_LEAF_ID) -> int:
-        """Bytes of one page of ``leaf_id``."""
+        """Bytes of one page of ``leaf_id``'s buffer (an FP8 page's scales live in their own buffer:
+        ``kv_page_bytes`` is the page's tier payload, values plus scales)."""
         leaf = self._leaves[leaf_id]
         if leaf.kind is LeafKind.RECURRENT:
             return math.prod(leaf.state_shape) * STATE_DTYPES[leaf.state_dtype].itemsize
-        return math.prod(self.page_shape) * self.np_dtype.itemsize
+        return math.prod(self.page_shape) * self.np_dtype.itemsize  # values only: FP8 scales are kv_page_bytes
 
     def _key(self):
         return tuple(getattr(self, "_" + f) for f in _PARAM_FIELDS) + (tuple(self._leaves.items()),)
@@ -253,7 +314,47 @@ class KVCacheParams:
         return f"KVCacheParams({fields}, leaves={self._leaves!r})"
 
 
+def spec_decode_cache_slack(params: KVCacheParams) -> int:
+    """Extra KV positions a speculating request may occupy past ``max_seq_len`` (MAX's formula).
+
+    ``3 * num_draft_tokens + block_draft_extra + 1`` with ``block_draft_extra = 1``
+    when ``num_draft_tokens_per_step == num_draft_tokens`` (block drafts), else 0;
+    0 when ``num_draft_tokens == 0`` (spec/manager.md "Speculative decoding").
+
+    Raises
+    ------
+    TypeError
+        ``params`` is not a ``KVCacheParams``.
+    """
+    if not isinstance(params, KVCacheParams):
+        raise TypeError(f"spec_decode_cache_slack: params={params!r}, must be a KVCacheParams")
+    k = params.num_draft_tokens
+    if k <= 0:
+        return 0
+    return 3 * k + (1 if params.num_draft_tokens_per_step == k else 0) + 1
+
+
 # --------------------------------------------------------------------------- context
+
+
+@dataclass
+class SpecDecodingState:
+    """A request's speculative-decoding state (MAX's ``SpecDecodingState``).
+
+    Attributes
+    ----------
+    draft_tokens_to_verify : list of int
+        Draft tokens the next forward verifies (after the active tokens); at
+        most ``params.num_draft_tokens``.
+    maybe_accepted_draft_tokens : list of int
+        Draft tokens an in-flight forward is verifying (overlap scheduling):
+        their K/V is counted as cached, conservatively assuming all are
+        accepted; at most ``params.num_draft_tokens``.
+    """
+
+    draft_tokens_to_verify: list = field(default_factory=list)
+    maybe_accepted_draft_tokens: list = field(default_factory=list)
+
 
 
 class TextContext:
@@ -277,15 +378,26 @@ class TextContext:
         Prompt token ids (N >= 1, each in int32 range).
     cache_salt : str or bytes, optional
         Enters the hash root; different salts never share blocks.
+    retention_priority : int, keyword-only
+        ``0 .. 100`` (default 35, TensorRT-LLM's): the pages this request
+        publishes or hits are evicted after pages of lower priority
+        (spec/manager.md §14). Settable.
+    retention_seconds : float or None, keyword-only
+        Time-to-live of that priority from the request's release (``None``:
+        until evicted); an expired page falls back to plain LRU. Settable.
     """
 
     __slots__ = (
         "request_id", "cache_salt", "_tokens", "_length", "_processed", "_active",
-        "cached_prefix_length", "cached_prefix_external_length",
+        "cached_prefix_length", "cached_prefix_external_length", "_spec_decoding_state",
+        "_retention_priority", "_retention_seconds",
     )
 
-    def __init__(self, request_id: str, tokens, cache_salt: str | bytes | None = None):
+    def __init__(self, request_id: str, tokens, cache_salt: str | bytes | None = None, *,
+                 retention_priority: int = 35, retention_seconds: float | None = None):
         o = "TextContext"
+        retention_priority = _retention.check_priority(o, retention_priority)  # spec/manager.md §14.1
+        retention_seconds = _retention.check_seconds(o, retention_seconds)
         if not isinstance(request_id, str):
             raise TypeError(f"{o}: request_id={request_id!r}, must be a str")
         arr = np.asarray(tokens)
@@ -307,6 +419,28 @@ class TextContext:
         self.cached_prefix_length = 0
         #: Of those, tokens loaded from an external tier (written by the manager).
         self.cached_prefix_external_length = 0
+        self._spec_decoding_state: SpecDecodingState | None = None  # created on first access
+        self._retention_priority = retention_priority
+        self._retention_seconds = retention_seconds
+
+    # -- retention (spec/manager.md §14)
+    @property
+    def retention_priority(self) -> int:
+        """``0 .. 100``: eviction level of the pages this request publishes or hits (35 by default)."""
+        return self._retention_priority
+
+    @retention_priority.setter
+    def retention_priority(self, value: int) -> None:
+        self._retention_priority = _retention.check_priority("TextContext", value)
+
+    @property
+    def retention_seconds(self) -> float | None:
+        """Time-to-live of the priority from the release, or ``None`` (until evicted)."""
+        return self._retention_seconds
+
+    @retention_seconds.setter
+    def retention_seconds(self, value: float | None) -> None:
+        self._retention_seconds = _retention.check_seconds("TextContext", value)
 
     # -- reads
     @property
@@ -341,6 +475,16 @@ class TextContext:
     def active_tokens(self) -> np.ndarray:
         """int32 ``[active_length]``: the tokens of the active region (a view of ``tokens``)."""
         return self.tokens[self._processed : self.current_position]
+
+    @property
+    def spec_decoding_state(self) -> SpecDecodingState:
+        """The request's ``SpecDecodingState`` (draft tokens), created empty on first access;
+        ``reset()`` drops it. Drafts are never part of ``tokens``: accepted ones are
+        appended with ``update`` (spec/manager.md "Speculative decoding")."""
+        state = self._spec_decoding_state
+        if state is None:
+            state = self._spec_decoding_state = SpecDecodingState()
+        return state
 
     def __len__(self) -> int:
         return self._length
@@ -405,6 +549,7 @@ class TextContext:
         self._active = self._length
         self.cached_prefix_length = 0
         self.cached_prefix_external_length = 0
+        self._spec_decoding_state = None
 
     def __repr__(self):
         return (
@@ -536,11 +681,27 @@ class KVCacheInputsPerDevice:
         Row i: the request's first ``num_req_blocks`` block ids, then 0 (null);
         ``cols`` rounded up to a multiple of 8.
     cache_lengths : uint32 [batch]
-        ``processed_length`` of each request.
+        ``processed_length + len(maybe_accepted_draft_tokens)`` of each request.
     max_prompt_length : int
-        Max ``active_length`` in the batch.
+        Max ``active_length + len(draft_tokens_to_verify)`` in the batch.
     max_cache_length : int
-        Max ``processed_length + active_length`` in the batch (or the given bound).
+        Max ``processed_length + len(maybe_accepted_draft_tokens) + active_length +
+        len(draft_tokens_to_verify) + num_draft_tokens`` in the batch (or the given bound);
+        ``current_position`` without speculation.
+    kv_scales : float32 [num_blocks, 2, num_layers, kv_heads] or None
+        FP8 leaves: the replica's scales buffer (live view), one scale per
+        (page, K/V, layer, kv head). ``None`` otherwise.
+    scales_page_stride : int64 [1] or None
+        FP8: elements from one page's scales to the next (``2 * num_layers * kv_heads``).
+    scales_lookup_table : uint32 [batch, cols] or None
+        FP8: the lookup table of ``kv_scales`` (scales share the values' block ids,
+        so it equals ``lookup_table``). ``kv_scales``, ``scales_page_stride`` and
+        ``scales_lookup_table`` are all set or all ``None`` (as MAX's).
+    page_stride : int64 [1] or None
+        Leaves of a slab (several leaves, spec/manager.md §13.1): elements of
+        ``kv_blocks``' dtype from one page to the next, ``-1`` when the pages are
+        packed (the page tiles the huge block exactly; MAX's ``PACKED_PAGE_STRIDE``),
+        else the padded page. ``None`` with one leaf (always packed).
     """
 
     kv_blocks: Any
@@ -548,6 +709,10 @@ class KVCacheInputsPerDevice:
     cache_lengths: Any
     max_prompt_length: int
     max_cache_length: int
+    kv_scales: Any = None
+    scales_page_stride: Any = None
+    scales_lookup_table: Any = None
+    page_stride: Any = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from ._config import KVCacheConfig, KVCacheMode, KVLayerSpec
 from ._dtypes import KV_DTYPES
-from ._manager_types import DEFAULT_LEAF_ID, KVCacheParams, LeafSpec
+from ._manager_types import DEFAULT_LEAF_ID, KVCacheParams, LeafKind, LeafSpec
 
 __all__ = [
     "VOCAB",
@@ -226,9 +226,14 @@ def manager_setups(draw, capabilities=frozenset({"manager", "prefix_caching"})):
         leaves=leaves,
     )
     per_seq = math.ceil(max_seq_len / page_size)
+    # spec/manager.md §1.6: the pool holds one request of max_seq_len in every leaf (else construction
+    # refuses it); with several leaves sharing a slab, their pages together (a safe bound for any ratio)
+    hold = per_seq + sum(
+        1 if spec.kind is LeafKind.RECURRENT else min(per_seq, math.ceil((spec.window - 1) / page_size) + 1)
+        for _, spec in extra)
     return {
         "params": params,
-        "num_blocks": draw(st.integers(3, 2 * per_seq + 2)),
+        "num_blocks": draw(st.integers(max(3, hold + 1), max(hold + 1, 2 * per_seq + 2))),
         "max_batch_size": draw(st.integers(1, 4)),
         "max_seq_len": max_seq_len,
     }

@@ -152,6 +152,93 @@ def hybrid_trace():
                   "restore on admit.", ops, config=_config("PAGED", num_layers=3), layers=layers)
 
 
+def _scaled_kv(shape, seed, scale):
+    """Exact float16 values times a power of two (still exact): later steps grow the FP8 scales."""
+    return encode_array((exact_values(shape, "float16", seed).astype(np.float32) * scale).astype(np.float16))
+
+
+def fp8_paged_trace():
+    """spec/slot-cache.md §10: quantising append, re-quantisation, dequantising gather, scales
+    through retire/admit and block reallocation (float8_e4m3fn)."""
+    layers = [_layer("ATTENTION", kv_heads=2, head_dim=2), _layer("SLIDING_WINDOW", kv_heads=2, head_dim=2, window=3)]
+    ops = []
+    seed = 7000
+
+    def step(rows, scale):
+        nonlocal seed
+        cu = [0]
+        for _, _, q in rows:
+            cu.append(cu[-1] + q)
+        out = [_op("prepare_step", cu_seqlens_q=cu, past_len=[p for _, p, _ in rows], slot_ids=[s for s, _, _ in rows])]
+        for l in range(2):
+            shape = (cu[-1], 2, 2)
+            out.append(_op("append_kv", layer=l, k=_scaled_kv(shape, seed, scale), v=_scaled_kv(shape, seed + 1, scale / 4)))
+            seed += 2
+        return out + [_op("update_position", batch_idx=s, new_pos=p + q) for s, p, q in rows]
+
+    p = [1, 2, 3, 4, 5]
+    ops += step([(0, 0, 3)], 0.5)
+    ops += step([(0, 3, 2), (1, 0, 1)], 64.0)  # larger values: block of slot 0 re-quantised
+    ops += [_op("gather_kv", layer=0, slot=0), _op("gather_kv", layer=1, slot=0), _op("scales", layer=0),
+            _op("scales", layer=1), _op("scales", layer=2),
+            _op("retire", batch_idx=0, full_token_ids=p, addressable_len=-1),
+            _op("admit", batch_idx=2, prompt_ids=p + [6], addressable_len=-1),
+            _op("gather_kv", layer=0, slot=2)]
+    ops += step([(2, 4, 2)], 2.0**-6)
+    ops += [_op("gather_kv", layer=0, slot=2), _op("evict_batch", batch_idx=2), _op("evict_batch", batch_idx=1)]
+    ops += step([(1, 0, 4), (0, 0, 2)], 1.0)  # fresh slots pop the retained blocks: scales restart at 0
+    ops += [_op("scales", layer=0), _op("gather_kv", layer=0, slot=1), _op("reset"), _op("scales", layer=1)]
+    return _trace("slot_cache_fp8_paged", "KVCache", "Paged float8_e4m3fn cache: per-(block, head) scales, "
+                  "re-quantisation, dequantising gather, scales through retire/admit and reallocation.", ops,
+                  config=_config("PAGED", num_layers=2, max_seqs=3, num_blocks=6, dtype="float8_e4m3fn"),
+                  layers=layers)
+
+
+def fp8_contiguous_trace():
+    """spec/slot-cache.md §10 on a contiguous float8_e5m2 cache with a cross layer."""
+    layers = [_layer("ATTENTION", kv_heads=1, head_dim=4), _layer("CROSS_ATTENTION", kv_heads=1, head_dim=4, max_enc_len=3)]
+    ops = [_op("fill", layer=1, batch_idx=0, k=_scaled_kv((3, 1, 4), 1, 8.0), v=_scaled_kv((3, 1, 4), 2, 0.25)),
+           _op("gather_kv", layer=1, slot=0), _op("scales", layer=1),
+           _op("prepare_step", cu_seqlens_q=[0, 3], past_len=[0], slot_ids=[0]),
+           _op("append_kv", layer=0, k=_scaled_kv((3, 1, 4), 3, 1.0), v=_scaled_kv((3, 1, 4), 4, 1.0)),
+           _op("update_position", batch_idx=0, new_pos=3),
+           _op("prepare_step", cu_seqlens_q=[0, 1], past_len=[3], slot_ids=[0]),
+           _op("append_kv", layer=0, k=_scaled_kv((1, 1, 4), 5, 4096.0), v=_scaled_kv((1, 1, 4), 6, 1.0)),
+           _op("update_position", batch_idx=0, new_pos=4),
+           _op("gather_kv", layer=0, slot=0), _op("scales", layer=0), _op("scales", layer=2),
+           _op("evict_batch", batch_idx=0), _op("scales", layer=0), _op("scales", layer=1), _op("reset")]
+    return _trace("slot_cache_fp8_contiguous", "KVCache", "Contiguous float8_e5m2 cache with a cross layer: "
+                  "fill, append, re-quantisation, scales zeroed with the slot.", ops,
+                  config=_config("CONTIGUOUS", num_layers=2, dtype="float8_e5m2"), layers=layers)
+
+
+def spec_decode_trace():
+    """spec/slot-cache.md §11: verify drafts, roll back, restore state, re-feed the accepted tokens."""
+    layers = [_layer("ATTENTION", kv_heads=1, head_dim=2),
+              _layer("STATE", conv_dims=[2], conv_width=2, recurrent=[1, 2, 2])]
+    w = _Writer(layers, "float16")
+
+    def state(seed):
+        return [_op("write_conv_state", layer=1, index=0, batch_idx=0, values=encode_array(exact_values((2, 2), "float32", seed))),
+                _op("write_recurrent_state", layer=1, batch_idx=0, values=encode_array(exact_values((1, 2, 2), "float32", seed + 1)))]
+
+    ops = [_op("restore_state", batch_idx=0), _op("state_checkpoint_position", batch_idx=0)]
+    ops += w.step([(0, 0, 3)]) + state(10)
+    ops += [_op("checkpoint_state", batch_idx=0)]
+    ops += w.step([(0, 3, 4)])[:-1] + state(20)  # verify 3 drafts + 1; 1 accepted
+    ops += [_op("restore_state", batch_idx=0), _op("state_checkpoint_position", batch_idx=0)]
+    ops += w.step([(0, 3, 2)]) + state(30)  # re-feed the accepted tokens
+    ops += [_op("checkpoint_state", batch_idx=0), _op("reserve", slot_ids=[0], n_new_per_seq=[3]),
+            _op("update_position", batch_idx=0, new_pos=6), _op("restore_state", batch_idx=0),
+            _op("checkpoint_state", batch_idx=3), _op("restore_state", batch_idx=-1),
+            _op("retire", batch_idx=0, full_token_ids=[1, 2, 3, 4, 5], addressable_len=-1),
+            _op("state_checkpoint_position", batch_idx=0), _op("restore_state", batch_idx=0),
+            _op("checkpoint_state", batch_idx=1), _op("reset"), _op("state_checkpoint_position", batch_idx=1)]
+    return _trace("slot_cache_spec_decode", "KVCache", "Speculative decoding on a hybrid paged cache: "
+                  "checkpoint_state before the verification step, rollback, restore_state, re-feed.", ops,
+                  config=_config("PAGED", num_layers=2), layers=layers)
+
+
 def random_trace(mode: str, seed: int, n_ops: int = 60):
     """A seeded random walk of valid and invalid calls, arguments chosen from the
     state of a kvref cache run alongside (the trace is then re-run to record)."""
@@ -224,7 +311,7 @@ def manager_trace():
            _op("step", request_id="a"),
            _op("alloc", request_id="a"),
            _op("write_kv", request_id="a", kv=kv(1, 2)),
-           _op("runtime_inputs", batches=[["a"]], max_cache_length=16),
+           _op("runtime_inputs", batches=[["a"]], max_cache_length=14),
            _op("update", request_id="a", token=9),
            _op("step", request_id="a"),
            _op("release", request_id="a"),
@@ -245,7 +332,7 @@ def manager_trace():
            _op("release", request_id="c")]
     return _trace("manager_basic", "PagedKVCacheManager", "Manager of 7 usable pages: claim/alloc/step/release, "
                   "runtime inputs, reuse, salts, InsufficientBlocksError atomicity.", ops,
-                  params=params, manager={"num_blocks": 8, "max_batch_size": 4, "max_seq_len": 16})
+                  params=params, manager={"num_blocks": 8, "max_batch_size": 4, "max_seq_len": 14})
 
 
 def manager_replicas_trace():
@@ -283,7 +370,7 @@ def manager_replicas_trace():
            _op("release", request_id="c")]
     return _trace("manager_replicas", "PagedKVCacheManager", "Two data-parallel replicas (xxh3_128, seed 3): "
                   "per-replica block ids, lookup tables and hit counts, cross-replica reuse.", ops,
-                  params=params, manager={"num_blocks": 6, "max_batch_size": 2, "max_seq_len": 12})
+                  params=params, manager={"num_blocks": 6, "max_batch_size": 2, "max_seq_len": 10})
 
 
 def hashing_vectors():
@@ -306,7 +393,8 @@ def build_all() -> dict[str, str]:
     backend = kvref.conformance_backend()
     out = {"hashing.json": dumps(hashing_vectors())}
     traces = [contiguous_trace(), paged_trace(), hybrid_trace(), manager_trace(), manager_replicas_trace(),
-              random_trace("PAGED", 1), random_trace("PAGED", 2), random_trace("CONTIGUOUS", 3)]
+              random_trace("PAGED", 1), random_trace("PAGED", 2), random_trace("CONTIGUOUS", 3),
+              fp8_paged_trace(), fp8_contiguous_trace(), spec_decode_trace()]
     for t in traces:
         t["records"] = run_trace(backend, t)
         del t["ops"]

@@ -15,10 +15,10 @@ from ._common import backend_like_kvref
 
 
 class LastTokenCache(KVCache):
-    def admit(self, batch_idx, prompt_ids, addressable_len=-1):
+    def admit(self, batch_idx, prompt_ids, addressable_len=-1, **retention):
         if isinstance(addressable_len, int) and addressable_len == -1:
             addressable_len = int(np.asarray(prompt_ids).shape[0]) if np.ndim(prompt_ids) == 1 else -1
-        return super().admit(batch_idx, prompt_ids, addressable_len)
+        return super().admit(batch_idx, prompt_ids, addressable_len, **retention)
 
 
 class LastTokenManager(PagedKVCacheManager):

@@ -47,6 +47,14 @@ CAPABILITIES: dict[str, str] = {
     "recurrent_leaf": "manager leaves of LeafKind.RECURRENT",
     "strict_block_ids": "block ids and free order equal kvref's (spec/slot-cache.md); exposes _free_order()",
     "invariants": "objects have check_invariants() raising AssertionError",
+    "slot_fp8": "slot caches with dtype float8_e4m3fn / float8_e5m2: scales(layer), quantising append_kv "
+                "(spec/slot-cache.md §10)",
+    "slot_spec_decode": "slot-cache checkpoint_state / restore_state / state_checkpoint_position "
+                        "(spec/slot-cache.md §11)",
+    "spec_decode": "the manager's speculative decoding: KVCacheParams.num_draft_tokens, spec_decoding_state "
+                   "(spec/manager.md §15)",
+    "fp8_kv": "the manager's FP8 pages with per-page scales: get_device_scales_buffer, scale runtime inputs "
+              "(spec/manager.md §16)",
 }
 
 

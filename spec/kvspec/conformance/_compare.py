@@ -272,6 +272,8 @@ def params_source(params) -> str:
     fields = ("page_size", "num_layers", "kv_heads", "head_dim", "dtype", "data_parallel_degree",
               "enable_prefix_caching", "hash_algo", "hash_seed")
     parts = [f"{f}={getattr(params, f)!r}" for f in fields]
+    if params.num_draft_tokens:  # spec/manager.md §15: only when speculating, so older reproductions read the same
+        parts += [f"speculative_method={params.speculative_method!r}", f"num_draft_tokens={params.num_draft_tokens}"]
     leaves = []
     for lid, leaf in params.leaves().items():
         kind = leaf.kind.name

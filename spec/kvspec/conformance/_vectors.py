@@ -121,6 +121,10 @@ def _cache_state(cache, specs) -> dict:
             if sp.recurrent is not None:
                 state.append(cache.recurrent_state(l))
     st["kv_sha256"] = _sha(kv)
+    if str(getattr(cache.config, "dtype", "")).startswith("float8"):
+        # spec/slot-cache.md §10: FP8 caches record their scales (every layer with K/V, K then V)
+        st["scales_sha256"] = _sha([x for l, sp in enumerate(specs) if sp.kind is not LayerKind.STATE
+                                    for x in cache.scales(l)])
     if state:
         st["state_sha256"] = _sha(state)
     if cross:
@@ -166,6 +170,16 @@ def _cache_op(cache, ops, op: str, a: dict, ctx: dict):
         return _assign(cache.conv_state(a["layer"], a["index"]), a["batch_idx"], decode_array(a["values"]))
     if op == "write_recurrent_state":
         return _assign(cache.recurrent_state(a["layer"]), a["batch_idx"], decode_array(a["values"]))
+    if op == "gather_kv":  # float32 (dequantised) for FP8 caches: exact in every backend
+        return tuple(to_numpy(x) for x in ops.gather_kv(cache, a["layer"], a["slot"]))
+    if op == "scales":
+        return tuple(to_numpy(x) for x in cache.scales(a["layer"]))
+    if op == "checkpoint_state":
+        return cache.checkpoint_state(a["batch_idx"])
+    if op == "restore_state":
+        return cache.restore_state(a["batch_idx"])
+    if op == "state_checkpoint_position":
+        return cache.state_checkpoint_position(a["batch_idx"])
     raise ValueError(f"vectors: KVCache op={op!r} unknown")
 
 

@@ -30,12 +30,26 @@ from .._config import KVCacheMode, LayerKind
 from ._backend import Backend, BackendBound
 from ._compare import assert_same, assert_same_outcome, begin_reproduction, capture, data_ptr, record, to_numpy
 
-__all__ = ["KVCacheComparison", "scatter_kv", "cache_snapshot", "live_kv"]
+__all__ = ["KVCacheComparison", "KVCacheFP8Comparison", "scatter_kv", "cache_snapshot", "live_kv"]
 
 _ATTN = (LayerKind.ATTENTION, LayerKind.SLIDING_WINDOW)
 
 #: True one draw in eight (False is the simplest value, so shrinking drops faults).
 _RARE = st.sampled_from([False] * 7 + [True])
+
+#: FP8 storage dtypes of :class:`KVCacheFP8Comparison` (spec/slot-cache.md §10).
+_FP8 = ("float8_e4m3fn", "float8_e5m2")
+
+
+def _is_fp8(cache) -> bool:
+    cfg = getattr(cache, "config", None)
+    return cfg is not None and str(cfg.dtype).startswith("float8")
+
+
+def _bits(x, fp8: bool) -> np.ndarray:
+    """Host copy of ``x``; FP8 storage as its uint8 bit patterns (a CUDA backend stores FP8 as uint8)."""
+    a = to_numpy(x).copy()
+    return a.view(np.uint8) if fp8 else a
 
 
 def scatter_kv(cache, layer: int, k: np.ndarray, v: np.ndarray, step) -> None:
@@ -137,6 +151,7 @@ def live_kv(cache, layer: int, slot: int, n: int) -> tuple[np.ndarray, np.ndarra
 def cache_snapshot(cache, specs, *, free_order: bool) -> dict:
     """Everything observable of a cache, as host copies (for atomicity checks)."""
     snap = {"seq_lens": to_numpy(cache.seq_lens()).copy(), "mode": cache.mode()}
+    fp8 = _is_fp8(cache)
     table = cache.paged_block_table()
     snap["block_table"] = None if table is None else to_numpy(table).copy()
     if free_order:
@@ -148,8 +163,11 @@ def cache_snapshot(cache, specs, *, free_order: bool) -> dict:
             if spec.recurrent is not None:
                 snap[f"recurrent_state({l})"] = to_numpy(cache.recurrent_state(l)).copy()
         else:
-            snap[f"keys({l})"] = to_numpy(cache.keys(l)).copy()
-            snap[f"values({l})"] = to_numpy(cache.values(l)).copy()
+            snap[f"keys({l})"] = _bits(cache.keys(l), fp8)
+            snap[f"values({l})"] = _bits(cache.values(l), fp8)
+            if fp8:  # spec/slot-cache.md §10.4: a raise changes no scale either
+                ks, vs = cache.scales(l)
+                snap[f"scales({l})"] = (to_numpy(ks).copy(), to_numpy(vs).copy())
     return snap
 
 
@@ -165,6 +183,10 @@ class KVCacheComparison(BackendBound, RuleBasedStateMachine):
     """
 
     prompts = Bundle("prompts")
+
+    #: FP8 storage dtypes every example draws from; empty: the configuration's own dtype
+    #: (:class:`KVCacheFP8Comparison` sets them).
+    fp8_dtypes: tuple[str, ...] = ()
 
     def __init__(self):
         self._require_backend()
@@ -227,7 +249,14 @@ class KVCacheComparison(BackendBound, RuleBasedStateMachine):
     @initialize(data=st.data())
     def make(self, data):
         cfg, specs = data.draw(kst.cache_configs(self.backend.capabilities), label="config")
+        if self.fp8_dtypes:  # KVCacheFP8Comparison: every example stores FP8 (no extra draw otherwise)
+            import dataclasses
+
+            cfg = dataclasses.replace(cfg, dtype=data.draw(st.sampled_from(self.fp8_dtypes), label="fp8 dtype"))
         self.cfg, self.specs = cfg, specs
+        self.fp8 = cfg.dtype in _FP8
+        #: what append_kv and fill are fed: float32 for FP8 caches (quantised on write), else the storage dtype
+        self.kv_dtype = "float32" if self.fp8 else cfg.dtype
         self.paged = cfg.mode is KVCacheMode.PAGED
         self.S, self.L, self.P = cfg.max_seqs, cfg.max_seq_len, cfg.block_size
         begin_reproduction("cache", self.backend, config=cfg, specs=specs)
@@ -357,7 +386,7 @@ class KVCacheComparison(BackendBound, RuleBasedStateMachine):
         event(f"append_kv: layout {layout}, slot_mapping edge {edge}")
         for l in self._layers(*_ATTN):
             sp = self.specs[l]
-            k, v = data.draw(kst.kv_pairs((T, sp.kv_heads, sp.head_dim), self.cfg.dtype), label="k, v")
+            k, v = data.draw(kst.kv_pairs((T, sp.kv_heads, sp.head_dim), self.kv_dtype), label="k, v")
             k_in, v_in = _layout(layout, k, v)
             steps = {id(self.ref): ref_step, id(self.sut): sut_step}
             if edge != "none":
@@ -447,7 +476,8 @@ class KVCacheComparison(BackendBound, RuleBasedStateMachine):
         if r.raised or s.raised:
             assert_same_outcome(f"ops.varlen_attention(q, cache, {l}, step)", r, s)
             return
-        tol = 1e-5 if self.cfg.dtype == "float32" else 1e-2
+        # FP8: both sides attend over the same dequantised float32 history (spec/slot-cache.md §10.3)
+        tol = 1e-5 if self.cfg.dtype == "float32" or self.fp8 else 1e-2
         np.testing.assert_allclose(to_numpy(s.value), to_numpy(r.value), rtol=tol, atol=tol,
                                    err_msg=f"ops.varlen_attention(q, cache, {l}, step)")
 
@@ -479,8 +509,8 @@ class KVCacheComparison(BackendBound, RuleBasedStateMachine):
         s = data.draw(st.integers(0, self.S - 1), label="slot")
         t = self._pick(data, st.integers(1, max(sp.max_enc_len, 1)), [0, sp.max_enc_len + 1], "t_enc")
         shape = (t, sp.kv_heads or 1, sp.head_dim or 1)
-        k = data.draw(kst.kv_arrays(shape, self.cfg.dtype), label="k")
-        v = data.draw(kst.kv_arrays(shape, self.cfg.dtype), label="v")
+        k = data.draw(kst.kv_arrays(shape, self.kv_dtype), label="k")
+        v = data.draw(kst.kv_arrays(shape, self.kv_dtype), label="v")
         self._both(f"cache.fill({l}, {s}, k, v)", lambda c, ops: c.fill(l, s, k, v), values={"k": k, "v": v})
 
     # ------------------------------------------------------------------ prefix reuse
@@ -533,12 +563,42 @@ class KVCacheComparison(BackendBound, RuleBasedStateMachine):
     @rule(data=st.data())
     def keys(self, data):
         l = self._pick(data, st.integers(0, len(self.specs) - 1), [-1, len(self.specs)], "layer")
-        self._both(f"cache.keys({l})", lambda c, ops: to_numpy(c.keys(l)).copy())
+        self._both(f"cache.keys({l})", lambda c, ops: _bits(c.keys(l), self.fp8))
 
     @rule(data=st.data())
     def values(self, data):
         l = self._pick(data, st.integers(0, len(self.specs) - 1), [-1, len(self.specs)], "layer")
-        self._both(f"cache.values({l})", lambda c, ops: to_numpy(c.values(l)).copy())
+        self._both(f"cache.values({l})", lambda c, ops: _bits(c.values(l), self.fp8))
+
+    @precondition(lambda self: self.backend.supports("slot_fp8"))
+    @rule(data=st.data())
+    def scales(self, data):
+        """``scales(layer)`` (spec/slot-cache.md §10.1): the same values on both sides; a
+        ``RuntimeError`` on a non-FP8 cache, ``IndexError``/``TypeError`` for a bad layer."""
+        l = self._pick(data, st.integers(0, len(self.specs) - 1), [-1, len(self.specs)], "layer")
+        self._both(f"cache.scales({l})", lambda c, ops: tuple(to_numpy(x).copy() for x in c.scales(l)))
+
+    # ------------------------------------------------------------------ speculative decoding (spec/slot-cache.md §11)
+
+    @precondition(lambda self: self.backend.supports("slot_spec_decode"))
+    @rule(data=st.data())
+    def checkpoint_state(self, data):
+        s = self._pick(data, st.integers(0, self.S - 1), [self.S, -1], "slot")
+        self._both(f"cache.checkpoint_state({s})", lambda c, ops: c.checkpoint_state(s))
+
+    @precondition(lambda self: self.backend.supports("slot_spec_decode"))
+    @rule(data=st.data())
+    def restore_state(self, data):
+        """Roll a slot back to its checkpoint (a ``ValueError`` without one); the rows after the
+        restored length are no longer fresh."""
+        s = self._pick(data, st.integers(0, self.S - 1), [self.S, -1], "slot")
+        out = self._both(f"cache.restore_state({s})", lambda c, ops: c.restore_state(s))
+        self._both(f"cache.state_checkpoint_position({s})", lambda c, ops: c.state_checkpoint_position(s))
+        self.step = None
+        if out is not None:
+            new = out[0]
+            self._tokens_for(s, new, data)
+            self.fresh[s] = {x for x in self.fresh[s] if x < new}
 
     @precondition(lambda self: any(sp.conv_dims for sp in self.specs))
     @rule(data=st.data())
@@ -603,13 +663,27 @@ class KVCacheComparison(BackendBound, RuleBasedStateMachine):
                 if sp.recurrent is not None:
                     assert_same(self.ref.recurrent_state(l), self.sut.recurrent_state(l), f"recurrent_state({l})")
             elif sp.kind is LayerKind.CROSS_ATTENTION or self.strict:
-                assert_same(self.ref.keys(l), self.sut.keys(l), f"keys({l})")
-                assert_same(self.ref.values(l), self.sut.values(l), f"values({l})")
+                assert_same(_bits(self.ref.keys(l), self.fp8), _bits(self.sut.keys(l), self.fp8), f"keys({l})")
+                assert_same(_bits(self.ref.values(l), self.fp8), _bits(self.sut.values(l), self.fp8), f"values({l})")
+                if self.fp8:
+                    for name, a, b in zip(("K", "V"), self.ref.scales(l), self.sut.scales(l)):
+                        assert_same(a, b, f"scales({l}) {name}")
             else:
                 for s in range(self.S):
                     pos = sorted(p for p in self.fresh[s] if p < seq[s])
                     if pos:
                         rk, rv = live_kv(self.ref, l, s, seq[s])
                         sk, sv = live_kv(self.sut, l, s, seq[s])
+                        if self.fp8:
+                            rk, rv, sk, sv = (x.view(np.uint8) for x in (rk, rv, sk, sv))
                         assert_same(rk[pos], sk[pos], f"K of layer {l} slot {s} positions {pos}")
                         assert_same(rv[pos], sv[pos], f"V of layer {l} slot {s} positions {pos}")
+
+
+class KVCacheFP8Comparison(KVCacheComparison):
+    """:class:`KVCacheComparison` on FP8 caches (``spec/slot-cache.md`` §10): every example's
+    ``config.dtype`` is ``float8_e4m3fn`` or ``float8_e5m2``, K/V are fed as float32 and
+    quantised on write, and the comparison covers FP8 bytes and scales. For backends declaring
+    ``slot_fp8``."""
+
+    fp8_dtypes = _FP8

@@ -110,6 +110,10 @@ def manager_snapshot(manager, contexts, *, strict: bool) -> dict:
             snap[f"free_order[{r}]"] = list(manager._free_order(r))
             buf = manager.get_device_buffer(r)
             snap[f"device_buffer[{r}]"] = {k: to_numpy(v).copy() for k, v in buf.items()} if isinstance(buf, dict) else to_numpy(buf).copy()
+            if manager.params.page_scales_shape:  # spec/manager.md §16: FP8 pages carry scales
+                sc = manager.get_device_scales_buffer(r)
+                snap[f"device_scales[{r}]"] = ({k: to_numpy(v).copy() for k, v in sc.items()} if isinstance(sc, dict)
+                                               else to_numpy(sc).copy())
     return snap
 
 
@@ -181,10 +185,9 @@ class ManagerComparison(BackendBound, RuleBasedStateMachine):
 
     @initialize(data=st.data())
     def make(self, data):
-        # Spec §8.1 (manager.md): tiers serve single full-leaf managers, so a connector comes without extra leaves.
+        # spec/manager.md §9.1, §9.8: tiers serve every leaf kind, so a connector comes with any leaves.
         use_tiers = self.backend.supports("tiers", "prefix_caching") and data.draw(st.booleans(), label="connector")
-        caps = self.backend.capabilities - ({"sliding_window", "recurrent_leaf"} if use_tiers else set())
-        setup = data.draw(kst.manager_setups(caps), label="setup")
+        setup = data.draw(kst.manager_setups(self.backend.capabilities), label="setup")
         self.params = setup["params"]
         self.max_seq_len = setup["max_seq_len"]
         self.dp = self.params.data_parallel_degree
@@ -282,7 +285,7 @@ class ManagerComparison(BackendBound, RuleBasedStateMachine):
     def alloc_again(self, data, how):
         """A second ``alloc`` before ``step`` (spec/manager.md §4.9: idempotent): with
         the same context, with ``defer_lookup=True``, or with a replacement context
-        object of the same tokens and marks (§2.3) that ``alloc`` sees first."""
+        object of the same tokens and marks (spec/manager.md §2.3) that ``alloc`` sees first."""
         rid = data.draw(st.sampled_from(sorted(self.allocated)), label="request")
 
         if how == "replacement":

@@ -17,10 +17,12 @@ from kvspec.conformance.plugin import require
 from kvspec.conformance.manager_machine import forward_values
 
 
-def _pair(backend, oracle, *, connectors=(None, None), page=2, num_blocks=12, max_seq_len=16, **params):
+def _pair(backend, oracle, *, connectors=(None, None), page=2, num_blocks=12, max_seq_len=None, **params):
     require(backend, "manager")
     kw = dict(page_size=page, num_layers=1, kv_heads=1, head_dim=2, dtype="float32")
     kw.update(params)
+    if max_seq_len is None:  # spec/manager.md §1.6: at most what the pool holds
+        max_seq_len = min(16, (num_blocks - 1) * page)
     return ManagerPair(backend, oracle, KVCacheParams(**kw), connectors=connectors,
                        num_blocks=num_blocks, max_batch_size=4, max_seq_len=max_seq_len)
 

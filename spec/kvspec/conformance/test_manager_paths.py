@@ -20,10 +20,12 @@ from kvspec.conformance.manager_machine import write_forward
 from kvspec.conformance.plugin import require
 
 
-def _pair(backend, oracle, *, page=2, num_blocks=16, max_seq_len=24, **params) -> ManagerPair:
+def _pair(backend, oracle, *, page=2, num_blocks=16, max_seq_len=None, **params) -> ManagerPair:
     require(backend, "manager", "prefix_caching")
     kw = dict(page_size=page, num_layers=2, kv_heads=1, head_dim=2, dtype="float32")
     kw.update(params)
+    if max_seq_len is None:  # spec/manager.md §1.6: at most what the pool holds
+        max_seq_len = min(24, (num_blocks - 1) * page)
     return ManagerPair(backend, oracle, KVCacheParams(**kw), num_blocks=num_blocks, max_batch_size=4,
                        max_seq_len=max_seq_len)
 
@@ -270,7 +272,10 @@ def test_near_full_pool_revived_hits(kv_backend, kv_oracle, extra, fits):
     """spec/manager.md §4.6: hits revived from the free list are taken before new pages
     are counted, so when reviving them leaves too few free pages the alloc raises
     ``InsufficientBlocksError`` and changes nothing; with one page less it fits."""
-    p = _pair(kv_backend, kv_oracle, num_blocks=6)  # 5 usable pages
+    # 7 usable pages, 2 held by a live request: 5 left, and max_seq_len=14 holds b (spec/manager.md §1.6)
+    p = _pair(kv_backend, kv_oracle, num_blocks=8)
+    _claim(p, "hog", [50, 51, 52, 53])
+    _alloc(p, "hog")
     a = [1, 1, 2, 2, 3, 3, 4]
     _claim(p, "a", a)
     _run(p, "a", token=5, seed=1)
@@ -322,8 +327,8 @@ def test_long_hit_run(kv_backend, kv_oracle):
 
 
 def test_two_block_pool(kv_backend, kv_oracle):
-    """``num_blocks=2``: one usable page besides the null block."""
-    p = _pair(kv_backend, kv_oracle, page=4, num_blocks=2, max_seq_len=8)
+    """``num_blocks=2``: one usable page besides the null block (so ``max_seq_len <= 4``, spec/manager.md §1.6)."""
+    p = _pair(kv_backend, kv_oracle, page=4, num_blocks=2, max_seq_len=4)
     assert p.sut.block_count().total == 1 and p.sut.block_count().free == 1, f"block_count()={p.sut.block_count()}"
     _claim(p, "a", [1, 2, 3])
     _run(p, "a", token=4, seed=1)
@@ -332,8 +337,8 @@ def test_two_block_pool(kv_backend, kv_oracle):
     p.raises("manager.alloc(ctx_b)  # no page left", lambda m, cs: m.alloc(cs["b"]), InsufficientBlocksError)
     _release(p, "b")
     _run(p, "a", token=5, seed=2, alloc=False)
-    p.raises("manager.alloc(ctx_a)  # a 6th token needs a second page",
-             lambda m, cs: m.alloc(cs["a"]), InsufficientBlocksError)
+    p.raises("manager.alloc(ctx_a)  # a 5th token: len(ctx) > max_seq_len, never a second page",
+             lambda m, cs: m.alloc(cs["a"]), ValueError)
     _release(p, "a")
     assert _hits(p, [1, 2, 3, 4, 5]) == [PrefixCacheHits(1, 0)], "a's one full page is published"
     _claim(p, "c", [1, 2, 3])

@@ -338,3 +338,89 @@ def test_attention_through_cache(kv_backend, kv_oracle, mode):
         r = kv_oracle.ops.varlen_attention(q, p.ref, l, step[0])
         g = to_numpy(kv_backend.ops.varlen_attention(q, p.sut, l, step[1]))
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5, err_msg=f"varlen_attention layer {l}")
+
+
+# ---------------------------------------------------------------- FP8 K/V (spec/slot-cache.md §10)
+
+
+def _dense_attention(q, k, v, mask, scale):
+    """float32 attention of q [Tq, Hq, D] over k, v [Tk, Hk, D] under a bool mask (GQA by repeat)."""
+    group = q.shape[1] // k.shape[1]
+    k = np.repeat(k.astype(np.float32), group, axis=1)
+    v = np.repeat(v.astype(np.float32), group, axis=1)
+    s = np.einsum("qhd,khd->hqk", q.astype(np.float32), k) * np.float32(scale)
+    s = np.where(mask[None], s, -np.inf)
+    w = np.exp(s - s.max(axis=-1, keepdims=True))
+    return np.einsum("hqk,khd->qhd", w / w.sum(axis=-1, keepdims=True), v)
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("mode", MODES)
+def test_fp8_quantised_bytes_scales_and_dequantised_attention(kv_backend, kv_oracle, mode, dtype):
+    """Same FP8 bytes and scales as kvref; ``gather_kv`` dequantised exactly as kvref; attention
+    equals dense attention over the backend's own dequantised history."""
+    require(kv_backend, "slot_fp8")
+    if kv_backend.ops is None:
+        pytest.skip(f"backend {kv_backend.name} ships no ops")
+    p = _pair(kv_backend, kv_oracle, mode, specs=[KVLayerSpec.attention(2, 4)], dtype=dtype, max_seq_len=8, block_size=4)
+    rng = np.random.default_rng(3)
+    past = 0
+    for q_len, mag in ((3, 0.5), (2, 40.0), (1, 0.01)):  # the second step re-quantises the first block
+        step = p.ok(f"cache.prepare_step([0, {q_len}], [{past}], [1])",
+                    lambda c, o: c.prepare_step(_i32([0, q_len]), _i32([past]), _i32([1])))
+        k = (rng.standard_normal((q_len, 2, 4)) * mag).astype(np.float32)
+        v = (rng.standard_normal((q_len, 2, 4)) * mag).astype(np.float32)
+        p.ok("ops.append_kv(cache, 0, k, v, step)",
+             lambda c, o: o.append_kv(c, 0, k, v, step[0] if c is p.ref else step[1]))
+        bad = k.copy()
+        bad[0, 0, 0] = np.nan
+        p.raises("ops.append_kv(cache, 0, k_nan, v, step)",
+                 lambda c, o: o.append_kv(c, 0, bad, v, step[0] if c is p.ref else step[1]), ValueError)
+        q = rng.standard_normal((q_len, 4, 4)).astype(np.float32)
+        out = to_numpy(kv_backend.ops.varlen_attention(q, p.sut, 0, step[1]))
+        p.ok(f"cache.update_position(1, {past + q_len})", lambda c, o: c.update_position(1, past + q_len))
+        past += q_len
+        r, s = p.ok("ops.gather_kv(cache, 0, 1)", lambda c, o: tuple(to_numpy(x) for x in o.gather_kv(c, 0, 1)))
+        assert_same(r, s, "gather_kv (dequantised float32)")
+        K, V = s
+        mask = np.arange(past)[None, :] <= (past - q_len + np.arange(q_len))[:, None]
+        np.testing.assert_allclose(out, _dense_attention(q, K, V, mask, 0.5), rtol=1e-5, atol=1e-6,
+                                   err_msg="varlen_attention over the dequantised history")
+        for a, b, name in zip(p.ref.scales(0), p.sut.scales(0), "KV"):
+            assert_same(to_numpy(a), to_numpy(b), f"scales(0) {name}")
+    p.agree()
+
+
+# ---------------------------------------------------------------- speculative decoding (spec/slot-cache.md §11)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_spec_decode_checkpoint_and_restore(kv_backend, kv_oracle, mode):
+    """``checkpoint_state`` before a verification step; ``restore_state`` brings back the state
+    slabs and the length; errors without a checkpoint; dropped by ``evict_batch``."""
+    require(kv_backend, "slot_spec_decode")
+    specs = [KVLayerSpec.attention(1, 2), KVLayerSpec.state((2,), 2, (1, 2, 2))]
+    if not kv_backend.supports("state"):
+        specs = specs[:1]
+    p = _pair(kv_backend, kv_oracle, mode, specs=specs)
+    p.raises("cache.restore_state(0)", lambda c, o: c.restore_state(0), ValueError)
+    p.raises("cache.checkpoint_state(3)", lambda c, o: c.checkpoint_state(3), IndexError)
+    p.write(0, 3, seed=4)
+    assert p.ok("cache.checkpoint_state(0)", lambda c, o: c.checkpoint_state(0))[1] == 3
+
+    def verify(c, o):  # a forward over 1 + 2 drafts moves the state past the accepted length
+        st = c.prepare_step(_i32([0, 3]), _i32([3]), _i32([0]))
+        if len(specs) > 1:
+            c.conv_state(1, 0)[0] = 2.5
+            c.recurrent_state(1)[0] = -1.5
+        return st.slot_mapping.shape[0]
+
+    p.ok("verify(cache)", verify)
+    assert p.ok("cache.restore_state(0)", lambda c, o: c.restore_state(0))[1] == 3
+    assert_same(np.array([3, 0, 0], np.int32), p.sut.seq_lens(), "seq_lens() after restore_state")
+    if len(specs) > 1:
+        assert (to_numpy(p.sut.recurrent_state(1))[0] != -1.5).all(), "restore_state left the drafted state"
+    p.agree()
+    p.ok("cache.evict_batch(0)", lambda c, o: c.evict_batch(0))
+    p.raises("cache.restore_state(0)", lambda c, o: c.restore_state(0), ValueError)
+    p.agree()

@@ -29,6 +29,10 @@ def _needs(trace: dict) -> list[str]:
         return caps
     caps = ["paged" if trace["config"]["mode"] == "PAGED" else "contiguous"]
     caps += sorted({_LAYER_CAPS[l["kind"]] for l in trace["layers"] if l["kind"] in _LAYER_CAPS})
+    if str(trace["config"].get("dtype", "")).startswith("float8"):
+        caps.append("slot_fp8")  # spec/slot-cache.md §10
+    if trace["name"].startswith("slot_cache_spec_decode"):
+        caps.append("slot_spec_decode")  # spec/slot-cache.md §11
     return caps
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from .._page_store import PageStore
 from ._pool import BlockPool
+from ._slab import SlabTable
 
 __all__ = ["ManagerEngine"]
 
@@ -45,6 +46,17 @@ class ManagerEngine(Protocol):
     def page_buffer(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
         """A zero-filled page buffer ``[num_pages, ...]`` on the engine's device (allocated once
         per replica and leaf; never re-allocated)."""
+
+    def slab_table(self, num_huge_blocks: int, num_leaves: int) -> SlabTable:
+        """A fresh ``SlabTable`` (spec/manager.md §13): huge blocks ``1 .. num_huge_blocks-1`` parked
+        and pristine."""
+
+    def slab_buffer(self, num_huge_blocks: int, huge_bytes: int) -> Any:
+        """The zero-filled ``uint8 [num_huge_blocks, huge_bytes]`` slab of one replica."""
+
+    def leaf_view(self, slab: Any, padded_bytes: int, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        """A leaf's page buffer ``shape`` of ``dtype`` viewing ``slab``; page ``b`` at byte
+        ``b * padded_bytes`` (live: writes through the view land in the slab)."""
 
     def page_store(self, buffer: Any) -> PageStore:
         """The tiers' view of ``buffer`` (built after the final buffer exists)."""

@@ -1,7 +1,9 @@
 """The block pool protocol: free list, reference counts and prefix index (DESIGN §4.2, §7).
 
 One pool per paged storage: the slot cache has one, the request manager one
-per replica and leaf. A pool knows block ids only, never K/V bytes. The
+per replica and leaf (with several leaves each leaf's pool holds only the
+pages of the slab's huge blocks it claimed, ``grant`` / ``revoke``,
+spec/manager.md §13). A pool knows block ids only, never K/V bytes. The
 policies (``kvref.KVCache``, ``kvref.PagedKVCacheManager``) decide *which*
 blocks to allocate, touch, free and publish; a pool does it with the
 allocation order below, which is part of the spec (block ids agree across
@@ -13,7 +15,15 @@ backends):
   the **front** (reused first); a freed **published** block goes to the
   **back** and stays hittable until it is popped (LRU eviction);
 * ``free`` takes blocks in the order given (callers free a chain tail first);
-* ``allocate`` pops the front; popping a published block unpublishes it.
+* ``allocate`` pops the front; popping a published block unpublishes it;
+* retention (spec/manager.md §14): a published block may hold a claim
+  ``(priority, expiry)`` (``set_retention``); a freed published block goes to
+  the back of **level** ``priority`` (35 without a claim) and the free order is
+  the unpublished front, then levels 0 .. 100, LRU within each; a claim whose
+  expiry passed on ``clock`` is dropped when its block is freed or the
+  eviction front is read (``allocate``, ``allocate_one``, ``peek``,
+  ``free_order``: expired free blocks move, in expiry order, to the back of
+  level 35). With no claims this is the plain LRU order above.
 
 Implementations: ``kvref.BlockPool`` (an ordered dict and Python lists, the
 readable definition) and ``kvfast``'s pool (an intrusive int32 free list with
@@ -23,7 +33,7 @@ results for identical calls.
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol, Sequence, runtime_checkable
+from typing import Callable, Iterable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -43,9 +53,13 @@ class BlockPool(Protocol):
         Pool size including the null block.
     block_hash : sequence of bytes or None
         ``block_hash[b]``: the hash block ``b`` is published under, else None.
+    clock : callable() -> float
+        Seconds for retention expiries (``time.monotonic`` unless the owner
+        assigns its injected clock); read only while a claim has a finite expiry.
     """
 
     num_blocks: int
+    clock: Callable[[], float]
 
     @property
     def num_free(self) -> int:
@@ -95,8 +109,28 @@ class BlockPool(Protocol):
         returns the kept page of each block before the stop (``len(result) < len(blocks)``:
         block ``len(result)`` collided). ``tokens``: int32 ``[len(blocks) * page]``."""
 
+    # -- slab leaves (spec/manager.md §13.2)
+    def grant(self, blocks: Sequence[int]) -> None:
+        """Put revoked ``blocks`` back in circulation: onto the free list at the **front**, in the
+        order given (``blocks[0]`` is popped first)."""
+
+    def revoke(self, blocks: Sequence[int]) -> None:
+        """Take free ``blocks`` (ref count 0) out of circulation: off the free list and out of the
+        prefix index (evicted); ``free_order``, ``num_free`` and ``count_free`` no longer see them."""
+
+    # -- retention (spec/manager.md §14)
+    def set_retention(self, blocks: Sequence[int], priority: int, expiry: float) -> None:
+        """Merge the claim ``(priority, expiry)`` (``0 .. 100``; absolute time on ``clock``,
+        ``math.inf`` for none) into each **published** block of ``blocks`` (others skipped):
+        no claim or an expired one is replaced, else the higher priority wins, at equal
+        priority the later expiry (``kvspec.retention.merge``). A free block moves to the
+        back of its new level. ``TypeError`` / ``ValueError`` / ``IndexError`` before any change."""
+
+    def retention(self, block: int) -> tuple[int, float]:
+        """The claim of ``block``: ``(priority, expiry)``, ``(-1, inf)`` without one."""
+
     def reset_prefix_cache(self) -> list[int]:
-        """Unpublish every free published block (free order unchanged); returns them."""
+        """Unpublish every free published block (free order unchanged; claims dropped); returns them."""
 
     def check_invariants(self, table_refs: dict[int, int] | None = None) -> None:
         """``AssertionError`` if inconsistent; with ``table_refs`` every ref count must equal it."""

@@ -131,10 +131,10 @@ class SlotEngine(Protocol):
         """:meth:`blocks_needed` with ``new_len = past_len + diff(cu_seqlens_q)``."""
 
     def grow_rows(self, pool: Any, slot_ids: np.ndarray, add: np.ndarray, total: int, table: np.ndarray,
-                  nblk: np.ndarray) -> None:
+                  nblk: np.ndarray) -> np.ndarray:
         """Pop ``total`` blocks from ``pool`` in one call (the caller checked ``total <= pool.num_free``)
         and append ``add[i]`` of them to row ``slot_ids[i]`` of ``table``, rows in order, columns
-        left to right; advance ``nblk``."""
+        left to right; advance ``nblk``. Returns the popped block ids (host int array ``[total]``)."""
 
     def release_blocks(self, pool: Any, blocks: np.ndarray) -> None:
         """Drop one reference from each of ``blocks`` (int32, in the order given: tail first)."""
@@ -171,9 +171,38 @@ class SlotEngine(Protocol):
         """``K[slot, :t] = k`` (cast) and ``K[slot, t:] = 0`` for ``t = len(k)``."""
 
     def attend(self, q: Any, K: Any, V: Any, kind: Any, window: int, step: StepIndices,
-               block_size: int | None, scale: float) -> Any:
+               block_size: int | None, scale: float, kv_scales: tuple | None = None) -> Any:
         """float32 ``[T, q_heads, head_dim]`` varlen attention of a validated step
-        (``spec/slot-cache.md`` §7.3); ``block_size`` None for dense planes."""
+        (``spec/slot-cache.md`` §7.3); ``block_size`` None for dense planes. FP8 storage passes
+        ``kv_scales=(K scales, V scales, unit_tokens)`` and reads keys and values as
+        :meth:`gather_kv_fp8` returns them (spec/slot-cache.md §10.3)."""
+
+    # ------------------------------------------------------------------ FP8 K/V (spec/slot-cache.md §10)
+
+    def kv_input_float32(self, api: str, name: str, x: Any) -> Any:
+        """A K/V input of an FP8 layer as float32 ``[T, heads, dim]`` on :attr:`device` (exact
+        widening, float64 rounded once); ``TypeError`` (``"<api>: <name> dtype=..., must be a
+        floating type"``) for a non-floating input."""
+
+    def first_nonfinite(self, x: Any) -> int:
+        """The first row ``t`` of ``x [T, ...]`` holding a NaN or an infinity, else -1."""
+
+    def scatter_kv_fp8(self, K: Any, V: Any, Ks: Any, Vs: Any, k: Any, v: Any, slot_mapping: Any,
+                       unit: int) -> int:
+        """The quantising append of ``spec/slot-cache.md`` §10.2: ``K``/``V`` FP8 storage
+        ``[A, Bd, kv_heads, head_dim]``, ``Ks``/``Vs`` float32 scales of
+        ``A * ceil(Bd / unit) * kv_heads`` elements (row-major ``[A, ceil(Bd / unit), kv_heads]``),
+        ``k``/``v`` float32 ``[T, kv_heads, head_dim]`` (finite), flat storage row
+        ``slot_mapping[t]`` (``< 0`` skipped) in unit ``(row // Bd) * ceil(Bd / unit) + (row % Bd) // unit``.
+        Returns -1, or the first token whose row is past the storage, having written nothing."""
+
+    def gather_kv_fp8(self, K: Any, V: Any, Ks: Any, Vs: Any, slot: int, n: int,
+                      block_row: np.ndarray | None, block_size: int, unit: int) -> tuple[Any, Any]:
+        """float32 dequantised positions ``[0, n)`` of one slot (as :meth:`gather_kv` reads them),
+        each times its unit's scale."""
+
+    def zero_index_rows(self, buffers: list, rows: np.ndarray) -> None:
+        """``buf[rows] = 0`` for every buffer (the scales of newly allocated blocks, spec/slot-cache.md §10.4)."""
 
     def to_host(self, x: Any) -> np.ndarray:
         """A NumPy copy (or the array itself on the CPU)."""

@@ -1,0 +1,680 @@
+"""One memory slab per replica, cut into huge blocks that the leaves carve into pages
+(spec/manager.md §13; MAX's "Jenga" pool).
+
+Every leaf of a multi-leaf manager tiles the same bytes at its own page size: a
+huge block is ``ratio[leaf]`` pages of that leaf, so leaf ``c``'s page ``b``
+lies in huge block ``b // ratio[c]`` (page ids are indices into the leaf's own
+view of the slab). Huge block 0 is the null block: page 0 of every leaf is the
+null page, the rest of huge block 0 is never handed out::
+
+    huge block    |     0     |     1     |     2     |     3     |
+    full   (x2)   |  N  |  .  |  2  |  3  |  4  |  5  |  6  |  7  |
+    state  (x4)   | N| .| .| .| 4| 5| 6| 7| 8| 9|10|11|12|13|14|15|
+
+A huge block is always in one of two states:
+
+* **parked** (no page of it is referenced): on the slab's parked queue, any
+  leaf may claim it. It may still be *typed* to the leaf that used it last,
+  whose pages in it stay on that leaf's free list and in its prefix index
+  (that leaf can still hit and re-use them without a claim);
+* **claimed** by leaf ``c`` (some page of it referenced): only ``c``
+  allocates from it; each of ``c``'s pages in it is referenced or on ``c``'s
+  free list, never both, never neither.
+
+The policy (spec/manager.md §13.2), written once here for every engine:
+
+* ``allocate`` for leaf ``c`` claims the huge block at the front of the
+  parked queue when ``c`` has no free page, **or** when ``c``'s next free page
+  is published (popping it would evict a cached block) while a pristine
+  (never typed) huge block exists. Claiming a huge block typed to another
+  leaf evicts that leaf's published pages in it and takes them off its free
+  list; the claimed block's pages join ``c``'s free list at the front in
+  ascending order. Then the front page is popped (popping a published page
+  evicts it, as in every pool).
+* ``free``: a page reaching ref count 0 goes to the front (unpublished) or
+  back (published) of its leaf's free list; when its huge block holds no
+  referenced page any more it is **parked** at the back of the queue, still
+  typed, commits kept.
+* ``touch`` of a free page whose huge block is parked takes the block back
+  (un-parks it) for its own leaf.
+* The parked queue starts with huge blocks ``1 .. H-1`` (pristine) in
+  ascending order; pristine blocks therefore always form its front.
+
+The mechanism under this policy is a :class:`kvspec.engine.SlabTable` (the
+parked queue, owners and live counts; :class:`ReferenceSlabTable` here, an
+int32-array one in ``kvfast``) plus one ``kvspec.engine.BlockPool`` per leaf
+over ``H * ratio`` page ids whose free list holds only the pages the leaf was
+granted (``BlockPool.grant`` / ``BlockPool.revoke``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from kvspec.engine import PRISTINE
+from kvspec.errors import CapacityError
+
+__all__ = [
+    "MAX_HUGE_BYTES",
+    "MAX_PADDING_FRACTION",
+    "MAX_TILING_RATIO",
+    "PRISTINE",
+    "ReferenceSlabTable",
+    "Slab",
+    "SlabGeometry",
+    "SlabLeafPool",
+    "plan_slab_geometry",
+]
+
+#: A padded page spends at most this share of itself on padding (MAX's ``_MAX_PADDING_FRACTION``).
+MAX_PADDING_FRACTION = 0.25
+#: Largest huge block the geometry takes (MAX's ``_MAX_HUGE_PAGE_BYTES``).
+MAX_HUGE_BYTES = 128 * 1024 * 1024
+#: Most pages of one leaf a huge block holds (MAX's ``_MAX_TILING_RATIO``).
+MAX_TILING_RATIO = 256
+
+
+# --------------------------------------------------------------------------- geometry
+
+
+@dataclass(frozen=True)
+class SlabGeometry:
+    """How one huge block is cut: ``ratios[leaf]`` pages of ``padded_bytes[leaf]`` bytes each.
+
+    Attributes
+    ----------
+    huge_bytes : int
+        Bytes of one huge block; every ``padded_bytes[leaf]`` divides it.
+    ratios : dict of str to int
+        Pages of each leaf one huge block holds (``huge_bytes // padded_bytes``).
+    page_bytes : dict of str to int
+        Data bytes of one page of each leaf.
+    padded_bytes : dict of str to int
+        Page stride of each leaf in the slab (``>= page_bytes``; equal unless the
+        least common multiple was too large, then at most 25% more).
+    """
+
+    huge_bytes: int
+    ratios: dict
+    page_bytes: dict
+    padded_bytes: dict
+
+    def padding_fraction(self, leaf_id: str) -> float:
+        """Share of a page of ``leaf_id`` that is padding (``padded / data - 1``)."""
+        return self.padded_bytes[leaf_id] / self.page_bytes[leaf_id] - 1
+
+
+def _smallest_tiling_page(huge: int, data: int, row: int) -> int | None:
+    """The smallest page >= ``data`` that divides ``huge`` and is a whole number of rows."""
+    for ratio in range(huge // data, 0, -1):
+        if huge % ratio == 0 and (huge // ratio) % row == 0:
+            return huge // ratio
+    return None
+
+
+def plan_slab_geometry(page_bytes: Mapping[str, int], row_bytes: Mapping[str, int]) -> SlabGeometry:
+    """The huge-block geometry of a set of leaves (spec/manager.md §13.1).
+
+    The huge block is the least common multiple of the page sizes (every leaf
+    tiles it exactly) when that keeps every ratio ``<= MAX_TILING_RATIO`` and
+    the block ``<= MAX_HUGE_BYTES``. Otherwise (a coprime factor made the
+    multiple too coarse), each page is padded to a divisor of a smaller block:
+    the candidates are MAX's (for each leaf and ratio ``1 .. 256``, the smallest
+    multiple of ``lcm(row_bytes)`` at or above ``ratio * page``), each page padded
+    to the smallest whole number of its rows that divides the candidate, at most
+    ``MAX_PADDING_FRACTION`` over its data; the **smallest** candidate that fits
+    wins (finest allocation quantum; MAX also prices the byte budget it strands,
+    which a pool sized in huge blocks does not have).
+
+    Parameters
+    ----------
+    page_bytes : mapping of str to int
+        Data bytes of one page per leaf (> 0).
+    row_bytes : mapping of str to int
+        Granularity each padded page must be a multiple of (> 0, divides the page).
+
+    Returns
+    -------
+    SlabGeometry
+
+    Raises
+    ------
+    ValueError
+        Empty or non-positive sizes, mismatched leaves, a page that is not a
+        whole number of rows, or no geometry within the bounds.
+    """
+    o = "plan_slab_geometry"
+    if not page_bytes:
+        raise ValueError(f"{o}: page_bytes={dict(page_bytes)!r}, must name at least one leaf")
+    if set(page_bytes) != set(row_bytes):
+        raise ValueError(f"{o}: page_bytes leaves {sorted(page_bytes)} != row_bytes leaves {sorted(row_bytes)}")
+    for lid, n in page_bytes.items():
+        if n <= 0 or row_bytes[lid] <= 0:
+            raise ValueError(f"{o}: leaf {lid!r} page_bytes={n}, row_bytes={row_bytes[lid]}, must be > 0")
+        if n % row_bytes[lid]:
+            raise ValueError(f"{o}: leaf {lid!r} page_bytes={n} is not a multiple of row_bytes={row_bytes[lid]}")
+    exact = math.lcm(*page_bytes.values())
+    if exact <= MAX_HUGE_BYTES and all(exact // n <= MAX_TILING_RATIO for n in page_bytes.values()):
+        return SlabGeometry(exact, {lid: exact // n for lid, n in page_bytes.items()}, dict(page_bytes),
+                            dict(page_bytes))
+    grid = math.lcm(*row_bytes.values())
+    floor = max(page_bytes.values())
+    candidates = set()
+    for n in page_bytes.values():
+        for ratio in range(1, MAX_TILING_RATIO + 1):
+            size = -(-ratio * n // grid) * grid
+            if size > MAX_HUGE_BYTES:
+                break
+            if size >= floor:
+                candidates.add(size)
+    for huge in sorted(candidates):
+        padded = {}
+        for lid, n in page_bytes.items():
+            p = _smallest_tiling_page(huge, n, row_bytes[lid])
+            if p is None or p / n - 1 > MAX_PADDING_FRACTION:
+                break
+            padded[lid] = p
+        else:
+            return SlabGeometry(huge, {lid: huge // p for lid, p in padded.items()}, dict(page_bytes), padded)
+    raise ValueError(f"{o}: no huge block <= {MAX_HUGE_BYTES} bytes tiles pages {dict(page_bytes)} with at most "
+                     f"{MAX_PADDING_FRACTION:.0%} padding (exact tiling needs {exact} bytes)")
+
+
+# --------------------------------------------------------------------------- mechanism (reference)
+
+
+class ReferenceSlabTable:
+    """The huge blocks of one slab: owners, live page counts and the parked queue (plain Python).
+
+    Satisfies ``kvspec.engine.SlabTable``. Huge block 0 (the null block) is never
+    parked, owned or counted.
+
+    Parameters
+    ----------
+    num_huge_blocks : int
+        Huge blocks including the null block (>= 2).
+    num_leaves : int
+        Leaves sharing the slab (owners are ``0 .. num_leaves-1``).
+    """
+
+    def __init__(self, num_huge_blocks: int, num_leaves: int):
+        if num_huge_blocks < 2:
+            raise ValueError(f"SlabTable: num_huge_blocks={num_huge_blocks}, must be >= 2 (huge block 0 is null)")
+        self.num_huge_blocks = num_huge_blocks
+        self.num_leaves = num_leaves
+        #: owner[h]: the leaf huge block h is typed to, or PRISTINE
+        self.owner = [PRISTINE] * num_huge_blocks
+        #: live[h]: referenced pages of huge block h
+        self.live = [0] * num_huge_blocks
+        self._parked: OrderedDict[int, None] = OrderedDict((h, None) for h in range(1, num_huge_blocks))
+        self._parked_typed = [0] * num_leaves
+
+    @property
+    def num_parked(self) -> int:
+        """Huge blocks on the parked queue."""
+        return len(self._parked)
+
+    def parked_typed(self, leaf: int) -> int:
+        """Parked huge blocks still typed to ``leaf``."""
+        return self._parked_typed[leaf]
+
+    def front(self) -> int:
+        """The huge block a claim would take (the parked queue's front); 0 when none is parked."""
+        return next(iter(self._parked), 0)
+
+    def is_parked(self, h: int) -> bool:
+        return h in self._parked
+
+    def park(self, h: int) -> None:
+        """Append ``h`` (no live page, typed) to the back of the parked queue."""
+        self._parked[h] = None
+        self._parked_typed[self.owner[h]] += 1
+
+    def unpark(self, h: int) -> None:
+        """Take parked ``h`` off the queue (a claim or a page of it referenced again)."""
+        del self._parked[h]
+        if self.owner[h] != PRISTINE:
+            self._parked_typed[self.owner[h]] -= 1
+
+    def set_owner(self, h: int, leaf: int) -> None:
+        """Type unparked ``h`` to ``leaf``."""
+        self.owner[h] = leaf
+
+    def add_live(self, h: int, delta: int) -> int:
+        """``live[h] += delta``; returns the new count."""
+        self.live[h] += delta
+        return self.live[h]
+
+    def take(self, hs) -> None:
+        """For each huge block of ``hs`` in order, a page of it referenced again: off the parked queue
+        if parked, ``live += 1``."""
+        for h in hs:
+            if h in self._parked:
+                self.unpark(h)
+            self.live[h] += 1
+
+    def drop(self, hs) -> None:
+        """For each huge block of ``hs`` in order, a page of it went idle: ``live -= 1``; at 0 the
+        block is parked at the back of the queue."""
+        for h in hs:
+            self.live[h] -= 1
+            if not self.live[h]:
+                self.park(h)
+
+    def parked_order(self) -> list[int]:
+        """The parked queue, front first (for tests)."""
+        return list(self._parked)
+
+    def owners(self) -> list[int]:
+        """``owner[h]`` for every huge block (a copy)."""
+        return list(self.owner)
+
+    def live_counts(self) -> list[int]:
+        """``live[h]`` for every huge block (a copy)."""
+        return list(self.live)
+
+
+# --------------------------------------------------------------------------- policy
+
+
+class Slab:
+    """One replica's slab: the huge-block policy over a :class:`kvspec.engine.SlabTable` and one
+    grant-able ``BlockPool`` per leaf (spec/manager.md §13.2).
+
+    Parameters
+    ----------
+    table : kvspec.engine.SlabTable
+        Fresh: every huge block but 0 parked and pristine.
+    pools : dict of str to kvspec.engine.BlockPool
+        Per leaf, in leaf order, a fresh pool over ``num_huge_blocks * ratios[leaf]``
+        ids; the slab takes every page out of circulation (``revoke``) until a
+        claim grants it.
+    ratios : dict of str to int
+        Pages of each leaf per huge block.
+    """
+
+    def __init__(self, table, pools: Mapping[str, object], ratios: Mapping[str, int]):
+        self.table = table
+        self.ratios = dict(ratios)
+        self.leaf_ids = list(pools)
+        self.num_huge_blocks = table.num_huge_blocks
+        self._index = {lid: i for i, lid in enumerate(self.leaf_ids)}
+        self.inner = dict(pools)
+        for pool in self.inner.values():
+            pool.revoke(range(1, pool.num_blocks))
+        self.pools = {lid: SlabLeafPool(self, lid) for lid in self.leaf_ids}
+
+    # ------------------------------------------------------------------ counts
+
+    def num_free(self, leaf_id: str) -> int:
+        """Pages ``leaf_id`` can still draw: its free pages plus ``ratio`` per parked huge block
+        not typed to it (not additive across leaves: the parked blocks are shared)."""
+        t, i = self.table, self._index[leaf_id]
+        return self.inner[leaf_id].num_free + (t.num_parked - t.parked_typed(i)) * self.ratios[leaf_id]
+
+    def free_huge_blocks(self) -> int:
+        """Parked huge blocks (``block_count().free``: free and cached-unreferenced bytes)."""
+        return self.table.num_parked
+
+    def shortfall(self, demand: Mapping[str, int], taken: Mapping[str, Iterable[int]] | None = None
+                  ) -> tuple[str, int, int] | None:
+        """The first leaf a joint demand cannot be served for, or None when it can.
+
+        ``demand[leaf]`` pages are to be drawn after the pages in ``taken[leaf]``
+        (hit pages about to be referenced) left the free lists. Leaves are
+        charged in slab order: leaf ``c`` fits when ``demand[c]`` pages fit in its
+        free pages plus what the parked huge blocks still hold after the earlier
+        leaves' shortfalls (MAX's ``can_satisfy_demand``: a parked block typed to
+        a leaf counts for it only while that leaf needs it).
+
+        Returns
+        -------
+        (leaf_id, needed, available) or None
+            ``available``: pages that leaf could still draw after the earlier leaves.
+        """
+        t = self.table
+        # Plenty of room: even if every page drawn or taken took a parked block of its own (a page of
+        # a parked block un-parks it; a claim takes one), the parked blocks suffice.
+        worst = sum(n for n in demand.values() if n > 0)
+        if t.num_parked - sum(len(p) for p in (taken or {}).values()) >= worst:
+            return None
+        carved, parked_typed = {}, {}
+        unparked = set()
+        for lid in self.leaf_ids:
+            inner, ratio, i = self.inner[lid], self.ratios[lid], self._index[lid]
+            pages = [b for b in (taken or {}).get(lid, ()) if b]
+            carved[lid] = inner.num_free - inner.count_free(pages)
+            # a taken page of a parked huge block takes the block back for its own leaf
+            back = {b // ratio for b in pages if inner.ref_count[b] == 0 and t.is_parked(b // ratio)}
+            unparked |= back
+            parked_typed[lid] = t.parked_typed(i) - len(back)
+        claimable = t.num_parked - len(unparked)
+        wants = {lid: n for lid, n in demand.items() if n > 0}
+        # MAX: a parked block typed to a leaf stays its own only while that leaf needs it.
+        for lid in self.leaf_ids:
+            n, ratio = wants.get(lid, 0), self.ratios[lid]
+            fixed = carved[lid] - parked_typed[lid] * ratio
+            claimable -= min(parked_typed[lid], -(-max(0, n - fixed) // ratio))
+        slack = claimable
+        for lid in self.leaf_ids:
+            n, ratio = wants.get(lid, 0), self.ratios[lid]
+            short = n - carved[lid]
+            cost = -(-short // ratio) if short > 0 else 0
+            if cost > slack:
+                return lid, n, carved[lid] + max(slack, 0) * ratio
+            slack -= cost
+        # The counts above are what an ideal split can draw; the draw itself may spend more blocks (a
+        # pristine claim while a leaf still had published pages, one page un-parking a block whose
+        # other pages it does not use): replay it exactly (O(free pages); only near a full slab).
+        return self._replay(wants, taken or {})
+
+    def _replay(self, wants: Mapping[str, int], taken: Mapping[str, Iterable[int]]
+                ) -> tuple[str, int, int] | None:
+        """Replay the touches of ``taken`` and the draws of ``wants`` (leaf order) on copies of the
+        free lists and the parked queue; the first leaf that runs dry, or None. Changes nothing."""
+        from collections import deque
+
+        t = self.table
+        owner = {}  # huge block -> its owner in the replay, where it changed
+        parked = deque(t.parked_order())
+        lists, dead = {}, set()
+        for lid in self.leaf_ids:
+            inner, ratio = self.inner[lid], self.ratios[lid]
+            pages = {b for b in taken.get(lid, ()) if b}
+            for b in pages:
+                if inner.ref_count[b] == 0 and t.is_parked(b // ratio) and b // ratio in parked:
+                    parked.remove(b // ratio)
+            lists[lid] = deque(b for b in inner.free_order() if b not in pages)
+        for lid, n in wants.items():
+            me, ratio, inner, lst = self._index[lid], self.ratios[lid], self.inner[lid], lists[lid]
+            for drawn in range(n):
+                while lst and (lid, lst[0]) in dead:
+                    lst.popleft()
+                first = parked[0] if parked else 0
+                pristine = bool(parked) and owner.get(first, t.owner[first]) == PRISTINE
+                if not lst or (pristine and inner.block_hash[lst[0]] is not None):
+                    if not parked:
+                        return lid, n, drawn
+                    h = parked.popleft()
+                    prev = owner.get(h, t.owner[h])
+                    if prev != PRISTINE:
+                        old = self.leaf_ids[prev]
+                        dead.update((old, b) for b in self._pages_of(old, h))
+                    owner[h] = me
+                    lst.extendleft(reversed(self._pages_of(lid, h)))
+                b = lst.popleft()
+                if b // ratio in parked:  # O(parked): the replay runs only when the slab is nearly full
+                    parked.remove(b // ratio)
+        return None
+
+    # ------------------------------------------------------------------ claims
+
+    def _pages_of(self, leaf_id: str, h: int) -> list[int]:
+        r = self.ratios[leaf_id]
+        return list(range(h * r, (h + 1) * r))
+
+    def _claim(self, leaf_id: str) -> None:
+        """Claim the parked queue's front huge block for ``leaf_id`` (spec/manager.md §13.2)."""
+        t = self.table
+        h = t.front()
+        prev = t.owner[h]
+        t.unpark(h)
+        if prev != PRISTINE:
+            # The bytes change hands: the previous leaf's pages in it (all free) leave its
+            # free list and its prefix index (evicted).
+            old = self.leaf_ids[prev]
+            self.inner[old].revoke(self._pages_of(old, h))
+        t.set_owner(h, self._index[leaf_id])
+        self.inner[leaf_id].grant(self._pages_of(leaf_id, h))
+
+    def _wants_claim(self, leaf_id: str) -> bool:
+        """MAX's rule: claim when the leaf has no free page, or its next free page is published
+        while a pristine huge block exists (a claim then saves a cached block)."""
+        inner, t = self.inner[leaf_id], self.table
+        if inner.num_free == 0:
+            return True
+        if not t.num_parked or t.owner[t.front()] != PRISTINE:
+            return False
+        (b,) = inner.peek(1)
+        return inner.block_hash[b] is not None
+
+    def allocate_one(self, leaf_id: str) -> int:
+        if self.num_free(leaf_id) < 1:
+            raise CapacityError(f"BlockPool.allocate: needs 1 blocks of leaf {leaf_id!r}, 0 free or evictable")
+        if self._wants_claim(leaf_id):
+            self._claim(leaf_id)
+        b = self.inner[leaf_id].allocate_one()
+        self.table.take([b // self.ratios[leaf_id]])  # un-parks a block typed to this leaf: taken back
+        return b
+
+    def allocate(self, leaf_id: str, n: int) -> list[int]:
+        """``n`` pages of ``leaf_id``, each drawn by the rule of :meth:`allocate_one`, in runs: between
+        two claim decisions the leaf pops its own pages in one batch (all it needs when no pristine
+        block is left, else the unpublished ones at its front). The caller checked ``n`` fit."""
+        inner, ratio, t = self.inner[leaf_id], self.ratios[leaf_id], self.table
+        out: list[int] = []
+        while len(out) < n:
+            if self._wants_claim(leaf_id):
+                if t.owner[t.front()] == PRISTINE:
+                    # each pristine block's pages are popped before the next claim: claim as many
+                    # as the rest needs at once, their pages in block order at the front
+                    me, pages = self._index[leaf_id], []
+                    for _ in range(-(-(n - len(out)) // ratio)):
+                        h = t.front()
+                        if not h or t.owner[h] != PRISTINE:
+                            break
+                        t.unpark(h)
+                        t.set_owner(h, me)
+                        pages += self._pages_of(leaf_id, h)
+                    inner.grant(pages)
+                else:
+                    self._claim(leaf_id)
+            k = min(n - len(out), inner.num_free)
+            if t.num_parked and t.owner[t.front()] == PRISTINE:
+                # a published front page would make the next draw claim: pop the unpublished run only
+                run = inner.peek(k)
+                k = max(1, next((j for j, b in enumerate(run) if inner.block_hash[b] is not None), k))
+            got = inner.allocate(k)
+            t.take([b // ratio for b in got])
+            out += got
+        return out
+
+    def free(self, leaf_id: str, blocks: Iterable[int]) -> None:
+        inner, ratio = self.inner[leaf_id], self.ratios[leaf_id]
+        blocks = [b for b in blocks if b]
+        if not blocks:
+            return
+        inner.free(blocks)
+        rc = inner.ref_count
+        # spec/manager.md §13.2: a block whose last page went idle parks (typed, commits kept), in order
+        self.table.drop([b // ratio for b in blocks if rc[b] == 0])
+
+    def touch(self, leaf_id: str, b: int) -> None:
+        inner = self.inner[leaf_id]
+        if b != 0 and inner.ref_count[b] == 0:
+            self.table.take([b // self.ratios[leaf_id]])
+        inner.touch(b)
+
+    def touch_many(self, leaf_id: str, blocks: Sequence[int]) -> int:
+        inner, ratio = self.inner[leaf_id], self.ratios[leaf_id]
+        rc = inner.ref_count
+        idle = [b // ratio for b in blocks if rc[b] == 0]
+        if idle:
+            self.table.take(idle)
+        return inner.touch_many(blocks)
+
+    # ------------------------------------------------------------------ invariants and bytes
+
+    def page_states(self) -> dict[str, int]:
+        """Pages of every leaf by state, as huge-block fractions summed into page units of the
+        huge block: ``{"free": f, "cached": c, "in_use": u}`` with ``f + c + u == (H - 1) *
+        lcm_units`` where each page of leaf ``l`` weighs ``units // ratio[l]`` (so the three
+        partition the slab's allocatable bytes exactly, spec/manager.md §13.4)."""
+        units = math.lcm(*self.ratios.values())
+        out = {"free": 0, "cached": 0, "in_use": 0}
+        t = self.table
+        for h in range(1, self.num_huge_blocks):
+            owner = t.owner[h]
+            if owner == PRISTINE:
+                out["free"] += units
+                continue
+            lid = self.leaf_ids[owner]
+            inner, w = self.inner[lid], units // self.ratios[lid]
+            for b in self._pages_of(lid, h):
+                if inner.ref_count[b] > 0:
+                    out["in_use"] += w
+                elif inner.block_hash[b] is not None:
+                    out["cached"] += w
+                else:
+                    out["free"] += w
+        return out
+
+    def check_invariants(self, table_refs: Mapping[str, dict[int, int]] | None = None) -> None:
+        """``AssertionError`` naming the first inconsistency (spec/manager.md §13.4)."""
+        p = "check_invariants"
+        t = self.table
+        for lid in self.leaf_ids:
+            self.inner[lid].check_invariants(None if table_refs is None else table_refs.get(lid, {}))
+        free_sets = {lid: set(self.inner[lid].free_order()) for lid in self.leaf_ids}
+        typed = [0] * len(self.leaf_ids)
+        for lid in self.leaf_ids:
+            assert not any(b in free_sets[lid] for b in self._pages_of(lid, 0)), f"{p}: leaf {lid!r} holds a page of huge block 0"
+        for h in range(1, self.num_huge_blocks):
+            owner, parked = t.owner[h], t.is_parked(h)
+            live = 0
+            for i, lid in enumerate(self.leaf_ids):
+                inner = self.inner[lid]
+                for b in self._pages_of(lid, h):
+                    rc = inner.ref_count[b]
+                    if i == owner:
+                        live += rc > 0
+                        assert (rc == 0) == (b in free_sets[lid]), (
+                            f"{p}: huge block {h} page {b} of leaf {lid!r} ref_count={rc} but free={b in free_sets[lid]}")
+                    else:
+                        assert rc == 0 and b not in free_sets[lid] and inner.block_hash[b] is None, (
+                            f"{p}: huge block {h} (owner {owner}) page {b} of leaf {lid!r} is in circulation")
+            assert t.live[h] == live, f"{p}: huge block {h} live={t.live[h]} but {live} pages referenced"
+            assert parked == (live == 0), f"{p}: huge block {h} live={live} but parked={parked}"
+            if parked and owner != PRISTINE:
+                typed[owner] += 1
+        for i, lid in enumerate(self.leaf_ids):
+            assert t.parked_typed(i) == typed[i], (
+                f"{p}: leaf {lid!r} parked_typed={t.parked_typed(i)} but {typed[i]} parked blocks typed to it")
+        order = t.parked_order()
+        pristine = [t.owner[h] == PRISTINE for h in order]
+        assert pristine == sorted(pristine, reverse=True), f"{p}: a pristine huge block behind a typed one"
+
+
+class SlabLeafPool:
+    """One leaf's view of a :class:`Slab`: a ``kvspec.engine.BlockPool`` whose pages come from
+    the shared huge blocks (spec/manager.md §13.2).
+
+    Allocation, free and touch follow the slab's policy; the prefix index and
+    the leaf's own free list are the inner pool's. ``free_order()`` is the
+    leaf's own free list (pages of huge blocks typed to it), front first.
+    """
+
+    def __init__(self, slab: Slab, leaf_id: str):
+        self.slab = slab
+        self.leaf_id = leaf_id
+        self.ratio = slab.ratios[leaf_id]
+        self.inner = slab.inner[leaf_id]
+        self.num_blocks = self.inner.num_blocks
+
+    # -- the inner pool's state, read-only
+    block_hash = property(lambda self: self.inner.block_hash)
+    block_tokens = property(lambda self: self.inner.block_tokens)
+    hash_to_block = property(lambda self: self.inner.hash_to_block)
+    ref_count = property(lambda self: self.inner.ref_count)
+
+    @property
+    def num_free(self) -> int:
+        """Pages ``allocate`` can hand out (the leaf's free pages plus parked huge blocks' worth)."""
+        return self.slab.num_free(self.leaf_id)
+
+    @property
+    def num_usable(self) -> int:
+        """Pages of this leaf outside huge block 0: ``(num_huge_blocks - 1) * ratio``."""
+        return (self.slab.num_huge_blocks - 1) * self.ratio
+
+    def allocate(self, n: int) -> list[int]:
+        """Draw ``n`` pages (claiming huge blocks as the policy says); ``CapacityError``, state
+        unchanged, when fewer than ``n`` can be drawn."""
+        free = self.num_free
+        if n > free:
+            raise CapacityError(f"BlockPool.allocate: needs {n} blocks, {free} free or evictable")
+        return self.slab.allocate(self.leaf_id, n)
+
+    def allocate_one(self) -> int:
+        return self.slab.allocate_one(self.leaf_id)
+
+    def free(self, blocks: Iterable[int]) -> None:
+        self.slab.free(self.leaf_id, blocks)
+
+    def touch(self, block: int) -> None:
+        if block == 0:
+            raise ValueError("BlockPool.touch: block 0 is the null block")
+        self.slab.touch(self.leaf_id, block)
+
+    def touch_many(self, blocks: Sequence[int]) -> int:
+        return int(self.slab.touch_many(self.leaf_id, blocks))
+
+    def count_free(self, blocks: Sequence[int]) -> int:
+        return self.inner.count_free(blocks)
+
+    def peek(self, n: int, skip=()) -> list[int]:
+        """The first ``n`` pages ``allocate`` would hand out once the pages in ``skip`` were taken
+        (fewer when fewer can be drawn); changes nothing. Replays the claim rule of
+        :meth:`Slab.allocate_one` on copies: O(free pages) (the manager plans before it commits)."""
+        from collections import deque
+
+        slab, t, inner, r = self.slab, self.slab.table, self.inner, self.ratio
+        taken = set(skip)
+        own = deque(b for b in inner.free_order() if b not in taken)
+        back = {b // r for b in taken}  # taking a page of a parked block takes the block back
+        me = slab._index[self.leaf_id]
+        parked = deque(h for h in t.parked_order() if h not in back and t.owner[h] != me)
+        out: list[int] = []
+        while len(out) < n:
+            pristine = bool(parked) and t.owner[parked[0]] == PRISTINE
+            if not own or (pristine and inner.block_hash[own[0]] is not None):
+                if not parked:
+                    break
+                h = parked.popleft()
+                own.extendleft(reversed(range(h * r, (h + 1) * r)))
+            out.append(own.popleft())
+        return out
+
+    def free_order(self) -> list[int]:
+        return self.inner.free_order()
+
+    def lookup(self, block_hash: bytes, tokens):
+        return self.inner.lookup(block_hash, tokens)
+
+    def lookup_run(self, hashes, tokens):
+        return self.inner.lookup_run(hashes, tokens)
+
+    def publish(self, block: int, block_hash: bytes, tokens) -> int:
+        return self.inner.publish(block, block_hash, tokens)
+
+    def publish_run(self, blocks, hashes, tokens):
+        return self.inner.publish_run(blocks, hashes, tokens)
+
+    def reset_prefix_cache(self) -> list[int]:
+        return self.inner.reset_prefix_cache()
+
+    def _unpublish(self, block: int) -> None:
+        """Drop one free page's hash (tests emulate an eviction with it, as on a plain pool)."""
+        self.inner._unpublish(block)
+
+    def check_invariants(self, table_refs: dict[int, int] | None = None) -> None:
+        self.inner.check_invariants(table_refs)
+
+    def snapshot(self):
+        """An opaque copy of the leaf's pool and the slab's huge-block state (for tests that check
+        a raising call changed nothing)."""
+        t = self.slab.table
+        return self.inner.snapshot(), t.owners(), t.live_counts(), t.parked_order()

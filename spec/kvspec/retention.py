@@ -1,0 +1,92 @@
+"""Retention claims: priority and time-to-live of cached pages (spec/manager.md §14).
+
+A request (``TextContext``, or ``KVCache.admit`` / ``retire``) may claim that
+the pages it publishes or hits be kept longer than plain LRU would:
+
+* ``retention_priority``: int in ``0 .. 100`` (TensorRT-LLM's range),
+  default :data:`DEFAULT_PRIORITY` = 35; higher is kept longer;
+* ``retention_seconds``: ``None`` (no expiry) or a finite real ``> 0``
+  (SGLang's name); the claim's expiry is ``clock() + retention_seconds``.
+
+A pool page holds at most one claim ``(priority, expiry)``; :func:`merge`
+is the rule every backend applies. This module holds the checks and the
+rule once, so the two packages agree on values and messages.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import time
+from typing import Callable
+
+__all__ = [
+    "DEFAULT_PRIORITY", "MIN_PRIORITY", "MAX_PRIORITY", "NUM_LEVELS", "NO_CLAIM", "NEVER",
+    "check_priority", "check_seconds", "check_clock", "expiry_of", "merge", "level_of",
+]
+
+#: Priority of a request that asks for nothing, and the level of a page without a claim.
+DEFAULT_PRIORITY = 35
+MIN_PRIORITY = 0
+MAX_PRIORITY = 100
+#: Number of priority levels (0 .. 100).
+NUM_LEVELS = MAX_PRIORITY - MIN_PRIORITY + 1
+#: Stored priority of a page without a claim.
+NO_CLAIM = -1
+#: Expiry of a claim without a time-to-live.
+NEVER = math.inf
+
+
+def check_priority(owner: str, value, name: str = "retention_priority") -> int:
+    """``value`` as an int in ``0 .. 100``; ``TypeError`` / ``ValueError`` naming ``owner`` and ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{owner}: {name}={value!r}, must be an int in {MIN_PRIORITY}..{MAX_PRIORITY}")
+    v = int(value)
+    if not MIN_PRIORITY <= v <= MAX_PRIORITY:
+        raise ValueError(f"{owner}: {name}={v}, must be in {MIN_PRIORITY}..{MAX_PRIORITY}")
+    return v
+
+
+def check_seconds(owner: str, value, name: str = "retention_seconds") -> float | None:
+    """``None`` or ``value`` as a finite float ``> 0``; ``TypeError`` / ``ValueError`` otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{owner}: {name}={value!r}, must be None or a real number of seconds > 0")
+    v = float(value)
+    if not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{owner}: {name}={value!r}, must be None or a finite number of seconds > 0")
+    return v
+
+
+def check_clock(owner: str, clock) -> Callable[[], float]:
+    """``clock`` (``None``: ``time.monotonic``) if it is callable, else ``TypeError``."""
+    if clock is None:
+        return time.monotonic
+    if not callable(clock):
+        raise TypeError(f"{owner}: clock={clock!r}, must be a zero-argument callable returning seconds")
+    return clock
+
+
+def expiry_of(seconds: float | None, clock: Callable[[], float]) -> float:
+    """The absolute expiry of a claim made now: ``clock() + seconds``, or :data:`NEVER` (no clock read)."""
+    return NEVER if seconds is None else float(clock()) + seconds
+
+
+def merge(old_priority: int, old_expiry: float, priority: int, expiry: float, now: float) -> tuple[int, float]:
+    """The claim of a page holding ``(old_priority, old_expiry)`` after a claim ``(priority, expiry)`` at ``now``.
+
+    ``old_priority`` is :data:`NO_CLAIM` for a page without a claim. No claim or an
+    expired one (``old_expiry <= now``): the new claim. Otherwise the higher priority,
+    and at equal priority the later expiry (spec/manager.md §14.3).
+    """
+    if old_priority == NO_CLAIM or old_expiry <= now or priority > old_priority:
+        return priority, expiry
+    if priority == old_priority:
+        return priority, max(old_expiry, expiry)
+    return old_priority, old_expiry
+
+
+def level_of(priority: int) -> int:
+    """The free-list level of a page whose stored priority is ``priority`` (no claim: 35)."""
+    return DEFAULT_PRIORITY if priority == NO_CLAIM else priority
