@@ -135,8 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-inflight", metavar="SIZE",
                    help="requests in flight at once (default batch size x replicas)")
     s.add_argument("--draft-tokens", type=int, default=0, metavar="K",
-                   help="speculative decoding: each decode verifies K drafts and accepts a random number of "
-                        "them (seeded by --seed); the prefix hit rate equals plain decoding's (default 0: off)")
+                   help="speculative decoding: each decode forward verifies K drafts (K + 1 tokens of the batch "
+                        "budget, as vLLM counts them) and accepts some (--draft-acceptance) plus one token; only "
+                        "verified tokens are cached. Faster decodes change when pages are freed and requests "
+                        "admitted, so under pool pressure or concurrency the hit rate may differ from plain "
+                        "decoding's (docs/replay.md) (default 0: off)")
+    s.add_argument("--draft-acceptance", choices=("random", "none", "all"), default="random",
+                   help="drafts accepted per forward: random (0..K, seeded by --seed), none (the plain run's "
+                        "schedule with the speculative bookkeeping: a diagnostic) or all (default random)")
     s.add_argument("--retention", action="store_true",
                    help="replay twice, without and with retention claims (the trace's retention_priority / "
                         "retention_seconds, else priority 80 for requests that share their first 512 tokens "
@@ -425,6 +431,8 @@ def _cmd_replay(args) -> int:
         _check_remote(args.remote)
     if not re.fullmatch(r"cpu|cuda(:\d{1,4})?", args.device):
         raise UsageError(f"--device={_cut(args.device)}, must be cpu, cuda or cuda:N")
+    if args.draft_acceptance != "random" and not args.draft_tokens:
+        raise UsageError(f"--draft-acceptance={args.draft_acceptance} needs --draft-tokens > 0")
     if args.retention and swept:
         raise UsageError(f"--retention and the sweep of {_flag(swept[0])} exclude each other; replay one size")
     if args.cluster is not None and not swept:
@@ -448,7 +456,7 @@ def _cmd_replay(args) -> int:
                 max_batch_tokens=one["max_batch_tokens"], max_inflight=one["max_inflight"],
                 num_layers=args.num_layers, kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype,
                 model=args.model, allocate_buffers=args.real_bytes, build_inputs=args.build_inputs,
-                draft_tokens=args.draft_tokens, draft_seed=args.seed,
+                draft_tokens=args.draft_tokens, draft_seed=args.seed, draft_acceptance=args.draft_acceptance,
             )
         except (ValueError, TypeError) as e:
             raise _config_error(e) from None

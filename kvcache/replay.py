@@ -13,13 +13,16 @@ running a model (no K/V bytes are computed): each scheduler step
 3. admits waiting requests in arrival order (``claim`` + ``alloc``) while
    ``max_inflight`` allows; the head that does not fit waits (first come,
    first served, so a request never sees pages of a request behind it);
-   an admission whose ``alloc`` returns an incomplete transfer is cordoned;
+   an admission whose ``alloc`` returns an incomplete transfer is cordoned; a
+   head that ``follows`` a request not finished yet has not arrived, and waits
+   (docs/replay.md, "Causality");
 4. builds ``runtime_inputs`` for the batch when the manager has a connector
    (it posts queued offloads there); without one the call is a pure function
    whose tables the replay never reads, so it is made only with
    ``ReplayConfig(build_inputs=True)`` (same figures);
 5. "runs the forward": a non-final prefill chunk ``advance_chunk()``; every
-   other row ``update(token)`` with its next output token, then ``step``;
+   other row ``update(token)`` with its next output token (a speculative
+   decode: its accepted drafts and the bonus token), then ``step``;
    a request that has produced all its tokens is ``release``-d.
 
 The hit of a request is read at its first successful admission
@@ -53,11 +56,14 @@ from .ceiling import infinite_cache_ceiling
 from .models import ModelPreset, get_model
 from .workload import Request
 
-__all__ = ["BACKENDS", "ReplayConfig", "ReplayError", "ReplayStats", "fit_hint", "manager_class", "replay",
+__all__ = ["BACKENDS", "DRAFT_ACCEPTANCE", "ReplayConfig", "ReplayError", "ReplayStats", "fit_hint", "manager_class", "replay",
            "required_blocks"]
 
 #: Backends ``replay`` can drive, by package name.
 BACKENDS = ("kvfast", "kvref")
+
+#: How many drafts a speculative decode forward accepts (``ReplayConfig.draft_acceptance``).
+DRAFT_ACCEPTANCE = ("random", "none", "all")
 
 #: Bounds of the sizes a replay accepts (issue 11 §13). Bookkeeping-only runs
 #: plan any byte size, but every block costs bookkeeping memory: at most
@@ -140,11 +146,20 @@ class ReplayConfig:
         The manager's leaves for the hand-typed geometry (``model`` brings its own).
     draft_tokens : int
         Speculative decoding: each decode forward verifies ``draft_tokens`` drafts
-        (``KVCacheParams(speculative_method="eagle", num_draft_tokens=...)``) and
-        accepts a uniformly random number of them (``0..draft_tokens``, seeded by
-        ``draft_seed``) plus the bonus token (spec/manager.md §15). 0: plain decoding.
+        (``KVCacheParams(speculative_method="eagle", num_draft_tokens=...)``), accepts
+        some of them (``draft_acceptance``) plus the bonus token (spec/manager.md §15),
+        and costs ``1 + drafts`` tokens of ``max_batch_tokens`` (vLLM's budget; the
+        drafts are cut when less is left; ``draft_acceptance="none"`` excepted). 0:
+        plain decoding.
     draft_seed : int
         Seed of the acceptance draws.
+    draft_acceptance : {"random", "none", "all"}
+        Drafts accepted per forward: ``random``, a uniform number ``0..drafts`` (seeded
+        by ``draft_seed``); ``none``, every draft rejected: one token per forward, the
+        plain run's schedule with the speculative bookkeeping (slack, verification,
+        rollback), the drafts charged nothing to the budget, so the loop makes the plain
+        run's decisions and only the manager's speculative work differs (a diagnostic:
+        docs/replay.md, "Speculative decoding"); ``all``, every draft accepted.
     build_inputs : bool
         Call ``runtime_inputs`` before every forward even when it changes nothing. By default
         the loop calls it only when the manager has a connector (it then posts the queued
@@ -182,6 +197,7 @@ class ReplayConfig:
     build_inputs: bool = False
     draft_tokens: int = 0
     draft_seed: int = 0
+    draft_acceptance: str = "random"
 
     def __post_init__(self):
         o = "ReplayConfig"
@@ -203,6 +219,8 @@ class ReplayConfig:
             raise TypeError(f"{o}: build_inputs={self.build_inputs!r}, must be a bool")
         check_int(o, "draft_tokens", self.draft_tokens, low=0, high=64)
         check_int(o, "draft_seed", self.draft_seed, low=0, high=2**63 - 1)
+        if self.draft_acceptance not in DRAFT_ACCEPTANCE:
+            raise ValueError(f"{o}: draft_acceptance={self.draft_acceptance!r}, must be one of {DRAFT_ACCEPTANCE}")
         if self.remote_url is not None and not str(self.remote_url).startswith(("redis://", "redis+cluster://")):
             raise ValueError(f"{o}: remote_url={self.remote_url!r}, must start with redis:// or redis+cluster://")
         if self.backend not in ("auto",) + BACKENDS:
@@ -523,7 +541,7 @@ class _Live:
 
     __slots__ = ("index", "req", "ctx", "replica", "generated", "admitted_at", "recorded", "transfer",
                  "transfer_is_first", "failed_load", "n_out", "committed", "out", "decoding", "prompt_length",
-                 "feed")
+                 "feed", "follows")
 
     def __init__(self, index: int, req: Request):
         self.index = index
@@ -545,6 +563,8 @@ class _Live:
         self.decoding = False
         self.prompt_length = req.prompt_length
         self.feed = None  # while decoding without tiers: see _Loop._start_decoding
+        #: index of the request whose answer this prompt contains (``Request.follows``), else -1
+        self.follows = -1
 
 
 _NOTHING_MOVED = (0, 0, 0, 0)
@@ -593,6 +613,29 @@ class _Timed:
             self.seconds += time.perf_counter() - t0
 
 
+def _follows(requests: Sequence[Request]) -> list[int]:
+    """Per request, the index of the earlier request it ``follows`` (-1: none, or a request the
+    workload does not hold: it finished before the replay).
+
+    Raises
+    ------
+    ValueError
+        A request follows itself or a later request (it would wait forever).
+    """
+    first: dict[str, int] = {}
+    for i, r in enumerate(requests):
+        first.setdefault(r.request_id, i)
+    out = []
+    for i, r in enumerate(requests):
+        f = r.follows
+        j = -1 if f is None else first.get(f, -1)
+        if j >= i:
+            raise ValueError(f"replay: request {r.request_id} follows {f!r}, which arrives at or after it "
+                             f"(a request follows an earlier one)")
+        out.append(j)
+    return out
+
+
 def replay(
     requests: Sequence[Request],
     config: ReplayConfig = ReplayConfig(),
@@ -638,6 +681,7 @@ def replay(
     """
     if len(requests) == 0:
         raise ValueError("replay: requests is empty")
+    _follows(requests)  # ValueError before anything runs
     say = status or (lambda text: None)
     say(f"loading the {config.backend if config.backend != 'auto' else 'kvfast'} backend "
         f"(its kernels compile on first use)")
@@ -750,6 +794,10 @@ class _Loop:
         # without one the replay (no forward reads the tables) builds them only on request.
         self.build_inputs = tiers or config.build_inputs
         self.waiting: collections.deque[_Live] = collections.deque(_Live(i, r) for i, r in enumerate(requests))
+        #: per request: it has produced all its tokens and was released (Request.follows waits for it)
+        self.finished = bytearray(len(requests))
+        for live, follows in zip(self.waiting, _follows(requests)):
+            live.follows = follows
         self.running = _Running()  # admission order, oldest first
         #: the leading decodes of ``running`` (one replica, no tiers): their count, contexts and
         #: feeds, rebuilt when ``running`` changes (``running.dirty``); and how many of them lead
@@ -772,10 +820,20 @@ class _Loop:
         #: leaf id -> pages in use per step, for a manager with several leaves (else None)
         leaves = config.params().leaves()
         self.leaf_series = {lid: [] for lid in leaves} if len(leaves) > 1 else None
+        #: with a sliding-window leaf: the full-attention leaves, whose hit alone (asked at each first
+        #: admission, spec/manager.md §3.6) tells ``sliding_window`` from ``evicted`` (else None)
+        kinds = {lid: spec.kind.value for lid, spec in leaves.items()}
+        full = [lid for lid, kind in kinds.items() if kind == "full"]
+        self.full_leaves = full if full and "sliding_window" in kinds.values() else None
+        self.window_pages = None  # the full leaves' hit for the admission under way
         self._zero_metrics = None
         # speculative decoding: drafts per forward and the seeded acceptance draws
         self.drafts = config.draft_tokens
-        self.accept = np.random.default_rng(config.draft_seed) if self.drafts else None
+        #: the drafts a decode verifies count in the token budget (all but the schedule-preserving mode)
+        self.draft_cost = bool(self.drafts) and config.draft_acceptance != "none"
+        mode = config.draft_acceptance
+        self.accept = np.random.default_rng(config.draft_seed) if self.drafts and mode == "random" else None
+        self.accept_all = mode == "all"
 
     # -- the loop
 
@@ -910,13 +968,26 @@ class _Loop:
                 continue  # live left the running set; self.running shrank at i
             ctx = live.ctx
             n = ctx.active_length
-            if n <= budget:  # a decode, or a prefill that fits: no chunking
+            if self.draft_cost and live.decoding:
+                budget = self._take_drafts(live, batch, budget)
+            elif n <= budget:  # a decode, or a prefill that fits: no chunking
                 batch.append(live)
                 budget -= n
             else:
                 budget = self._take(live, batches, budget)
             i += 1
         return budget
+
+    def _take_drafts(self, live: _Live, batch: list, budget: int) -> int:
+        """Put a speculative decode in ``batch``: it costs its token and the drafts it verifies
+        (vLLM's rule: ``num_tokens_with_spec - num_computed_tokens``); when the budget left is
+        smaller, its drafts are cut to fit, as vLLM trims ``spec_token_ids`` (docs/replay.md)."""
+        state = live.ctx.spec_decoding_state
+        drafts = state.draft_tokens_to_verify
+        if 1 + len(drafts) > budget:
+            state.draft_tokens_to_verify = drafts = drafts[: budget - 1]
+        batch.append(live)
+        return budget - 1 - len(drafts)
 
     def _schedule_allocs(self, batches, budget: int) -> tuple[int, int]:
         """``_schedule_running`` without tiers, where ``alloc`` of a running request returns a
@@ -958,7 +1029,9 @@ class _Loop:
             todo.append(live)
             at.append(i)
             n = live.ctx.active_length
-            if n > left:  # _take: chunked to an aligned piece of the budget, if any
+            if self.draft_cost and live.decoding:  # _take_drafts: its drafts count, cut to the budget
+                n = min(n + len(live.ctx.spec_decoding_state.draft_tokens_to_verify), left)
+            elif n > left:  # _take: chunked to an aligned piece of the budget, if any
                 n = left - left % align if align else left
                 if n == 0:
                     continue
@@ -985,7 +1058,9 @@ class _Loop:
             budget -= fast
         for live in todo[fast:done]:
             n = live.ctx.active_length
-            if n <= budget:  # a decode, or a prefill that fits: no chunking
+            if self.draft_cost and live.decoding:
+                budget = self._take_drafts(live, batches[live.replica], budget)
+            elif n <= budget:  # a decode, or a prefill that fits: no chunking
                 batches[live.replica].append(live)
                 budget -= n
             else:
@@ -1054,6 +1129,10 @@ class _Loop:
         limit = cfg.inflight_limit()
         while self.waiting and budget > 0 and len(self.running) + len(self.cordoned) < limit:
             live = self.waiting[0]
+            if live.follows >= 0 and not self.finished[live.follows]:
+                # Causality (docs/replay.md): the head holds the answer of a request still in flight, so it
+                # has not arrived yet; the queue is in arrival order, so neither has anything behind it.
+                break
             if live.replica < 0 or not self.call("contains", live.ctx):
                 live.replica = self._route(live, batches)
                 if live.replica < 0:
@@ -1062,6 +1141,10 @@ class _Loop:
             if len(batches[live.replica]) >= cfg.max_batch_size:
                 break
             before = self._load_counts() if self.tiers and not live.recorded else None
+            if self.full_leaves is not None and not live.recorded:
+                # before alloc, which may evict what the full leaves hold past the joint hit
+                self.window_pages = self.call("get_prefix_cache_hit_counts_per_leaf", live.ctx,
+                                              self.full_leaves)[live.replica]
             try:
                 transfer = self.call("alloc", live.ctx)
             except InsufficientBlocksError:
@@ -1136,7 +1219,7 @@ class _Loop:
         self.hit_prompt_tokens += live.req.prompt_length
         live.recorded = True
         live.transfer_is_first = True
-        self.lost.admit(live.index, live.replica, hit, load)
+        self.lost.admit(live.index, live.replica, hit, load, window_pages=self.window_pages)
 
     def _take(self, live: _Live, batches, budget: int) -> int:
         """Put ``live`` in its replica's batch, chunking its prefill to ``budget``
@@ -1221,6 +1304,7 @@ class _Loop:
         self.call.seconds += pc() - t0
         for live in ending:
             self.running.remove(live)
+            self.finished[live.index] = 1
             self.done += 1
             if self.preemptions:
                 lost.finish(live.index)
@@ -1256,7 +1340,13 @@ class _Loop:
             decoded = not ctx.pending_length
             if decoded:
                 # a verifying forward (after the prefill's) appends its accepted drafts, then the bonus token
-                n = 1 + (int(self.accept.integers(0, self.drafts + 1)) if self.drafts and live.decoding else 0)
+                n = 1
+                if self.drafts and live.decoding:
+                    verified = len(ctx.spec_decoding_state.draft_tokens_to_verify)
+                    if self.accept is not None:  # random: 0..verified accepted, uniformly
+                        n += int(self.accept.integers(0, verified + 1))
+                    elif self.accept_all:
+                        n += verified
                 for t in live.out[live.generated : min(live.generated + n, live.n_out)]:
                     ctx.update(t)
                     live.generated += 1
@@ -1278,6 +1368,7 @@ class _Loop:
                 self.mgr.release(ctx)
                 spent += pc() - t0
                 self.running.remove(live)
+                self.finished[live.index] = 1
                 self.done += 1
                 if self.preemptions:
                     lost.finish(live.index)

@@ -15,6 +15,7 @@ import os
 import stat
 import sys
 import tempfile
+import textwrap
 
 from .replay import ReplayStats
 
@@ -289,7 +290,7 @@ def write_plot(stats: ReplayStats, path: str | os.PathLike) -> None:
             ax.set_ylabel(f"{unit} moved (cumulative)")
             ax.set_xlabel("scheduler step")
             ax.legend(loc="upper left")
-    fig.suptitle(f"kvcache replay: {stats.workload}, backend {stats.backend}")
+    fig.suptitle(textwrap.fill(f"kvcache replay: {stats.workload}, backend {stats.backend}", 90), fontsize=10)
     fig.tight_layout()
     _save(fig, path)
     plt.close(fig)
@@ -324,7 +325,7 @@ def write_sweep_plot(runs: list, name: str, path: str | os.PathLike) -> None:
         ax2.set_xlabel(f"--{name.replace('_', '-')}{unit}")
         ax2.set_ylabel("lost hits, % of prompt tokens")
         ax2.legend(loc="upper right", fontsize="small")
-    fig.suptitle(f"kvcache replay sweep: {runs[0][0].workload}")
+    fig.suptitle(textwrap.fill(f"kvcache replay sweep: {runs[0][0].workload}", 90), fontsize=10)
     fig.tight_layout()
     _save(fig, path)
     plt.close(fig)

@@ -88,6 +88,11 @@ class Request:
         one pool: requests for different models never share pages (the
         replay keys the request's hash root by model and salt, as vLLM keys
         blocks by adapter); None: the pool's one model.
+    follows : str, optional
+        The ``request_id`` of an earlier request whose answer this prompt
+        contains (the previous turn of a conversation). The request cannot
+        arrive before that one has finished, and the replay admits it no
+        sooner (``docs/replay.md``, "Causality"); None: no such request.
     """
 
     request_id: str
@@ -98,6 +103,7 @@ class Request:
     retention_priority: int | None = None
     retention_seconds: float | None = None
     model: str | None = None
+    follows: str | None = None
 
     @property
     def cache_key(self) -> str | bytes | None:
@@ -143,7 +149,8 @@ def synthetic_workload(num_requests: int = 300, seed: int = 0) -> list[Request]:
 
     Sessions start at random times and send turns separated by a think time.
     A chat session's turn ``t`` prompt is ``system + q_0 + a_0 + ... + q_t``
-    (the answers are the previous turns' outputs); one session in ten asks
+    (the answers are the previous turns' outputs, so turn ``t`` ``follows``
+    turn ``t - 1``: it arrives once that turn has finished); one session in ten asks
     about one of three long documents (``system + document + q_0 + a_0 ...``).
     Four system prompts are shared by every session.
 
@@ -188,13 +195,16 @@ def synthetic_workload(num_requests: int = 300, seed: int = 0) -> list[Request]:
             t += float(rng.exponential(30.0)) + 1.0
     events.sort(key=lambda e: (e[0], e[1], e[2]))
     out = []
+    last_turn: dict[int, str] = {}  # session -> request_id of its latest turn so far
     for i, (t, sid, k) in enumerate(events[:num_requests]):
         s = sessions[sid]
         parts = list(s["head"])
         for j in range(k):
             parts += [s["q"][j], s["a"][j]]
         parts.append(s["q"][k])
-        out.append(Request(f"chat-{i:05d}-s{sid}-t{k}", np.concatenate(parts), s["a"][k], t))
+        rid = f"chat-{i:05d}-s{sid}-t{k}"
+        out.append(Request(rid, np.concatenate(parts), s["a"][k], t, follows=last_turn.get(sid)))
+        last_turn[sid] = rid
     return out
 
 

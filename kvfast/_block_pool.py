@@ -558,26 +558,52 @@ class BlockPool:
 
     def grant(self, blocks) -> None:
         """Put ``blocks`` (revoked, ref count 0, unpublished) back on the free list at the **front**,
-        in the order given (``blocks[0]`` is popped first); spec/manager.md §13.2. O(1) per block."""
-        prv, nxt, head = self._prev, self._next, self._head
-        for b in reversed(list(blocks)):
-            self._off[b] = False
-            n = nxt[head]
-            nxt[head] = b
-            prv[b] = head
-            nxt[b] = n
-            prv[n] = b
-            self._num_free += 1
+        in the order given (``blocks[0]`` is popped first); spec/manager.md §13.2. One kernel pass
+        (``blocks``: a sequence of ints, a ``range`` or an int array)."""
+        if not hasattr(blocks, "__len__"):
+            blocks = list(blocks)
+        if len(blocks) <= _SMALL:  # a huge block of a few pages: no kernel call
+            prv, nxt, head = self._prev, self._next, self._head
+            for b in reversed(blocks):
+                self._off[b] = False
+                n = nxt[head]
+                nxt[head] = b
+                prv[b] = head
+                nxt[b] = n
+                prv[n] = b
+            self._num_free += len(blocks)
+            return
+        arr = _ids(blocks)
+        self._off[arr] = False
+        _fl.push_front_many(self._prev, self._next, self._head, arr)
+        self._num_free += arr.size
 
     def revoke(self, blocks) -> None:
         """Take free ``blocks`` (ref count 0) out of circulation: off the free list and, if published,
-        out of the prefix index (evicted, reported to ``on_evict``). They stay off until ``grant``."""
-        arr = np.asarray(list(blocks), dtype=np.int64)
-        for b in arr.tolist():
-            self._unlink(b)
+        out of the prefix index (evicted, reported to ``on_evict`` in the order given). They stay off
+        until ``grant``. One kernel pass; Python only for the published ones."""
+        if not hasattr(blocks, "__len__"):
+            blocks = list(blocks)
+        if len(blocks) <= _SMALL:  # a huge block of a few pages: no kernel call
+            for b in blocks:
+                self._unlink(b)
+                self._unpublish(b)
+                self._off[b] = True
+            self._num_free -= len(blocks)
+            return
+        arr = _ids(blocks)
+        _fl.unlink_many(self._prev, self._next, arr)
+        for b in arr[self._published[arr]].tolist():
             self._unpublish(b)
         self._off[arr] = True
-        self._num_free -= len(arr)
+        self._num_free -= arr.size
+
+    def unpublished_run(self, n: int) -> int:
+        """How many of the first ``n`` blocks ``allocate`` would pop are unpublished before the first
+        published one (spec/manager.md §13.2); reads the eviction front as :meth:`peek` does."""
+        if self._heap:
+            self._expire()
+        return int(_fl.unpublished_run(self._next, self._published, self._head, self._tail, self._lo, n))
 
     def _unlink(self, b: int) -> None:
         prv, nxt = self._prev, self._next
@@ -781,6 +807,17 @@ class BlockPool:
 
 
 _EMPTY_I32 = np.empty(0, np.int32)
+
+
+def _ids(blocks) -> np.ndarray:
+    """Block ids as int64 ``[n]``: a ``range`` without a Python loop, else any iterable of ints."""
+    if type(blocks) is range:
+        return np.arange(blocks.start, blocks.stop, blocks.step, dtype=np.int64)
+    if isinstance(blocks, np.ndarray):
+        return blocks.astype(np.int64, copy=False).reshape(-1)
+    if type(blocks) is not list:
+        blocks = list(blocks)
+    return np.fromiter(blocks, np.int64, len(blocks))
 
 
 def _check_expiry(expiry) -> float:

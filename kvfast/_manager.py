@@ -10,8 +10,9 @@ block pool, the SHA-256 chain kernel, one-scatter lookup tables),
 policy on that engine.
 
 One duplication remains, measured and kept on purpose: for the serving
-configuration of the peer benchmark (one full-attention leaf, one replica, no
-connector) ``claim``, ``alloc``, ``step``, ``runtime_inputs`` and ``release``
+configuration of the peer benchmark (one full-attention leaf, no connector; any
+number of replicas, each lane working on the request's own replica, the splice
+only with one) ``claim``, ``alloc``, ``step``, ``runtime_inputs`` and ``release``
 have lanes here that do the policy's steps with fewer checks (the decode
 step's allocation, the one-block commit of a decode step, the batch's checks
 and lookup table in a few C-level passes, the tail-first release in one kernel
@@ -89,12 +90,19 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                  device: str = "cpu", connector=None, clock=None):
         super().__init__(params, num_blocks=num_blocks, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                          device=device, connector=connector, clock=clock)
-        # The lanes serve one full leaf, one replica, no connector, no speculative decoding (its
-        # slack and rollback, spec/manager.md §15) and no FP8 scales (spec/manager.md §16): decided here, once.
-        self._fast = (
-            len(self._leaves) == 1 and self._leaves[0].kind is LeafKind.FULL and self._dp == 1
-            and not self._uses_connector and not params.num_draft_tokens and not params.page_scales_shape
+        # The lanes serve one full leaf on any number of replicas (a replica is an index: each lane
+        # works on the request's own replica), no connector, no speculative decoding (its slack and
+        # rollback, spec/manager.md §15) and no FP8 scales (spec/manager.md §16): decided here, once.
+        self._lane = (
+            len(self._leaves) == 1 and self._leaves[0].kind is LeafKind.FULL
+            and not params.num_draft_tokens and not params.page_scales_shape
         )
+        # The decode growth and the inputs also serve a connector (they drain and post transfers
+        # as the policy does); claim, step and release only without one.
+        self._fast = self._lane and not self._uses_connector
+        # The splice (the reuse point) of one replica: with peers it takes the policy's cross-replica
+        # hit (spec/manager.md §7.3).
+        self._fast_splice = self._fast and self._dp == 1
         if params.hash_algo == "sha256":
             self._hash1 = _sha256_digest
         else:
@@ -118,10 +126,10 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
     def claim(self, ctx: TextContext, replica_idx: int = 0) -> None:
         """Pin ``ctx`` to a replica with empty rows (same contract and errors as the reference)."""
         if (
-            type(ctx) is TextContext and type(replica_idx) is int and replica_idx == 0 and self._fast
+            type(ctx) is TextContext and type(replica_idx) is int and 0 <= replica_idx < self._dp and self._fast
             and ctx.request_id not in self._requests and ctx._length <= self._max_seq_len
         ):
-            self._requests[ctx.request_id] = self._new_request(ctx, 0)
+            self._requests[ctx.request_id] = self._new_request(ctx, replica_idx)
             return
         super().claim(ctx, replica_idx)  # validates and raises, or claims
 
@@ -132,21 +140,23 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         transfers, splices the device hit at the reuse point, grows the rows,
         runs the external stage); all or nothing on ``InsufficientBlocksError``.
         """
-        # Decode fast lane: a claimed request already holding pages that cover its next forward.
-        # With self._fast (no connector) nothing is ever loading or offloading, so only the
-        # request and its context need checking. The context's slots are read directly
+        # Decode fast lane: a claimed request already holding pages that cover its next forward,
+        # with no load of its own and no external stage due (spec/manager.md §4: only the drain,
+        # the sizing and the count). The context's slots are read directly
         # (type(ctx) is exactly TextContext): len(ctx), current_position, active_length.
-        if type(ctx) is TextContext and defer_lookup is False and self._fast and ctx._spec_decoding_state is None:
+        if type(ctx) is TextContext and defer_lookup is False and self._lane and ctx._spec_decoding_state is None:
             req = self._requests.get(ctx.request_id)
-            if req is not None and req.ctx is ctx and not req.dummy:
+            if req is not None and req.ctx is ctx and not req.dummy and req.load is None and not req.ext_point:
                 row = req.rows[self._conn_leaf]
                 active = ctx._active
                 if row and ctx._length <= self._max_seq_len:
+                    if self._loads or self._offloads:
+                        self._drain()  # spec/manager.md §9.2: finished transfers land before the sizing
                     # Not at the reuse point (the row holds pages): only growth, no splice.
                     short = ctx._processed + active - len(row) * self._page
                     if short > 0:
                         need = -(-short // self._page)
-                        pool = self._pools[0][self._conn_leaf]
+                        pool = self._pools[req.replica][self._conn_leaf]
                         if need > pool.num_free:
                             return self._alloc_fast(ctx, defer_lookup)  # raises InsufficientBlocksError
                         if need == 1:
@@ -164,7 +174,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         return self._alloc_fast(ctx, defer_lookup)
 
     def _alloc_fast(self, ctx: TextContext, defer_lookup: bool) -> KVTransfer:
-        if not self._fast or self._loads or self._offloads:
+        if not self._fast_splice or self._loads or self._offloads:
             return super().alloc(ctx, defer_lookup=defer_lookup)
         op = "alloc"
         # spec/manager.md §4.1: every argument is checked before the stored context may be replaced.
@@ -229,13 +239,15 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
 
     def step(self, ctx: TextContext) -> None:
         """Commit what the forward wrote (call after ``ctx.update``); same contract as the reference."""
-        if type(ctx) is not TextContext or not self._fast:
+        if type(ctx) is not TextContext or not self._lane:
             return super().step(ctx)
         req = self._requests.get(ctx.request_id)
         if req is None or req.ctx is not ctx or req.dummy:
             req = self._req("step", ctx)  # raises, or adopts a replacement context (spec/manager.md §2.3)
             if req.dummy:
                 return
+        if req.load is not None:
+            return super().step(ctx)  # a load of its own: the policy polls, lands or defers (spec/manager.md §9.6)
         row = req.rows[self._conn_leaf]
         page = self._page
         processed = ctx._processed
@@ -245,10 +257,8 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                 "alloc must be called before the forward"
             )
         req.step_gen += 1
-        # Without a connector (self._fast) lookup and lookup_pending are never set, and
-        # ext_point only by the splice: clear what can be set.
-        if req.ext_point:
-            req.ext_point = False
+        if req.ext_point or req.lookup is not None or req.lookup_pending:
+            req.ext_point, req.lookup, req.lookup_pending = False, None, False
         if not self._caching:
             return
         lo = req.committed
@@ -265,7 +275,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         end = min(processed // page, len(hashes))
         if end <= lo:
             return  # nothing new filled: nothing to publish
-        pool = self._pools[0][self._conn_leaf]
+        pool = self._pools[req.replica][self._conn_leaf]
         if lo and pool.block_hash[row[lo - 1]] != hashes[lo - 1]:
             return  # spec/manager.md §5.1: the parent lost a collision; the chain is not published
         mine = row[lo:end]
@@ -277,7 +287,10 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                     pool.touch(c)
                     row[i] = c
                     pool.free([b])
-        req.committed = lo + len(canon)
+        req.committed = stop = lo + len(canon)
+        if stop > lo and self._uses_connector:  # spec/manager.md §9.2: queued for the next post
+            toks = np.array(ctx._tokens[lo * page : stop * page], dtype=np.int32).reshape(stop - lo, page)
+            self._offload_queue[req.replica].append((hashes[lo:stop], toks))
 
     def _fill_one(self, req, ctx: TextContext, row: list[int], i: int) -> None:
         """Hash and publish row block ``i`` (a decode step just filled it; blocks before are committed)."""
@@ -291,7 +304,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         hashes = req.hashes
         parent = hashes[-1] if hashes else self._root(ctx.cache_salt)
         h = self._hash1(parent + hin)
-        pool = self._pools[0][self._conn_leaf]
+        pool = self._pools[req.replica][self._conn_leaf]
         hashes.append(h)  # req.hashes is the request's own list (never shared)
         if i and pool.block_hash[row[i - 1]] != hashes[i - 1]:
             return  # spec/manager.md §5.1: the parent lost a collision; the chain is not published
@@ -304,58 +317,70 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         elif pool.block_hash[b] != h:
             return  # a collision: the chain stops here
         req.committed = i + 1
+        if self._uses_connector:  # spec/manager.md §9.2: queued for the next post
+            self._offload_queue[req.replica].append(([h], np.array(toks, dtype=np.int32).reshape(1, page)))
 
     def runtime_inputs(self, batches, *, max_cache_length: int | None = None) -> KVCacheInputs:
         """The paged-attention inputs of one forward (same contract and errors as the reference).
 
-        Lane: one replica's batch of claimed ``TextContext`` rows that holds
-        every block it needs, without ``max_cache_length``. The lookup table and
+        Lane: one batch per replica of claimed ``TextContext`` rows that hold
+        every block they need, without ``max_cache_length``. The lookup tables and
         cache lengths are built from the rows in a few C-level passes; anything
         the lane does not prove valid goes to the policy (which raises).
         """
-        if self._fast and max_cache_length is None and type(batches) is list and len(batches) == 1:
-            out = self._inputs_lane(batches[0])
+        if self._lane and max_cache_length is None and type(batches) is list and len(batches) == self._dp:
+            out = self._inputs_lane(batches)
             if out is not None:
                 return out
         return super().runtime_inputs(batches, max_cache_length=max_cache_length)
 
-    def _inputs_lane(self, batch) -> KVCacheInputs | None:
-        """``runtime_inputs([batch])`` when every check of spec/manager.md §8 passes, else None."""
-        if type(batch) is not list and type(batch) is not tuple:
-            return None
-        n = len(batch)
-        # spec/manager.md §8 (5); (1)-(2) hold (one replica, one full leaf); queued offloads
-        # exist only with a connector, so there is nothing to post (spec/manager.md §9.2).
-        if n == 0 or n > self._max_batch_size or self._closed:
-            return None
-        for c in batch:
-            if type(c) is not TextContext or c._spec_decoding_state is not None:
-                return None  # the policy checks (and refuses) drafts, spec/manager.md §15
-        # (3): every row claimed (on replica 0, the only one), once, holding the blocks it needs
-        ids = [c.request_id for c in batch]
-        reqs = list(map(self._requests.get, ids))
-        if not all(reqs) or len(set(ids)) != n:
-            return None
-        leaf, page = self._conn_leaf, self._page
-        rows = [q.rows[leaf] for q in reqs]
-        ends = [c._processed + c._active for c in batch]  # current_position
-        widths = [-(-e // page) for e in ends]  # num_req_blocks
-        if list(map(len, rows)) != widths and not all(map(int.__ge__, map(len, rows), widths)):
-            return None
-        need = max(widths)
+    def _inputs_lane(self, batches: list) -> KVCacheInputs | None:
+        """``runtime_inputs(batches)`` when every check of spec/manager.md §8 passes, else None.
+
+        ``batches[r]`` is replica r's batch (a replica is an index); the lookup tables share the
+        column count of the widest row of all batches, as in the policy."""
+        leaf, page, requests = self._conn_leaf, self._page, self._requests
+        seen = 0
+        per = []
+        for r, batch in enumerate(batches):
+            if type(batch) is not list and type(batch) is not tuple:
+                return None
+            n = len(batch)
+            # spec/manager.md §8 (5); (1)-(2) hold (len(batches) == dp, one full leaf)
+            if n == 0 or n > self._max_batch_size or self._closed:
+                return None
+            for c in batch:
+                if type(c) is not TextContext or c._spec_decoding_state is not None:
+                    return None  # the policy checks (and refuses) drafts, spec/manager.md §15
+            # (3): every row claimed on replica r, once, holding the blocks it needs
+            reqs = list(map(requests.get, [c.request_id for c in batch]))
+            if not all(reqs) or any(q.replica != r for q in reqs):
+                return None
+            seen += n
+            rows = [q.rows[leaf] for q in reqs]
+            ends = [c._processed + c._active for c in batch]  # current_position
+            widths = [-(-e // page) for e in ends]  # num_req_blocks
+            if list(map(len, rows)) != widths and not all(map(int.__ge__, map(len, rows), widths)):
+                return None
+            per.append((batch, rows, ends, widths))
+        if len({c.request_id for b in batches for c in b}) != seen:
+            return None  # a request twice: the policy names it
+        if self._uses_connector:
+            self._post_offloads()  # spec/manager.md §9.2: queued offloads are posted before the forward
+        need = max([max(p[3]) for p in per])
         cols = _LUT_ALIGN * (-(-need // _LUT_ALIGN) or 1)
         eng = self._engine
-        return KVCacheInputs((KVCacheInputsPerDevice(
-            kv_blocks=self._buffers[0][leaf],  # None in bookkeeping-only mode (spec/manager.md §8)
+        return KVCacheInputs(tuple(KVCacheInputsPerDevice(
+            kv_blocks=self._buffers[r][leaf],  # None in bookkeeping-only mode (spec/manager.md §8)
             lookup_table=eng.to_device(eng.lookup_table(rows, widths, cols)),
             cache_lengths=eng.to_device(np.array([c._processed for c in batch], dtype=np.uint32)),
             max_prompt_length=max([c._active for c in batch]),
             max_cache_length=max(ends),
-        ),))
+        ) for r, (batch, rows, ends, widths) in enumerate(per)))
 
     def release(self, ctx: TextContext | str) -> None:
         """Free the request's pages, tail first, and forget it (same contract as the reference)."""
-        if not self._fast or self._loads:
+        if not self._lane or self._loads:
             return super().release(ctx)
         req = self._requests.get(ctx.request_id) if type(ctx) is TextContext else None
         if req is None or req.ctx is not ctx:
@@ -363,15 +388,21 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         del self._requests[req.ctx.request_id]
         if req.dummy:
             return
+        if req.load is not None:
+            req.load.request_id = None  # a finished load record: nothing lands for it any more
         row = req.rows[self._conn_leaf]
         if row:
             # spec/manager.md §6: tail first, so a chain's tail is evicted before its head.
             pages = np.fromiter(reversed(row), np.int64, len(row))
-            self._retain(self._pools[0][self._conn_leaf], pages, req.ctx)  # spec/manager.md §14.2
-            self._pools[0][self._conn_leaf].free(pages)
+            pool = self._pools[req.replica][self._conn_leaf]
+            self._retain(pool, pages, req.ctx)  # spec/manager.md §14.2
+            pool.free(pages)
+        if self._uses_connector and req.committed:
+            self._tier_touch(req.replica, req.hashes[: req.committed])
+            self._tier_retain(req.replica, req.hashes[: req.committed], req.ctx)  # spec/manager.md §14.9
 
     def shutdown(self) -> None:
         """Post queued offloads, wait for every transfer, close the connector (same contract as the
         reference); the fast lanes close with the manager (spec/manager.md §9.7)."""
-        self._fast = False
+        self._fast = self._fast_splice = self._lane = False
         super().shutdown()

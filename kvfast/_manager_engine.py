@@ -152,6 +152,11 @@ class CudaManagerEngine(FastManagerEngine):
         from ._cuda.state import state_zero_rows
 
         with self._cp.cuda.Device(self.device_id):
+            if buffer.shape[0] > 1 and buffer.strides[0] != buffer[0].nbytes:
+                # spec/manager.md §13.1: a padded slab leaf is a strided view, which the row kernel
+                # (contiguous rows) refuses; CuPy's fill writes the page's bytes, not its padding.
+                buffer[page] = 0
+                return
             state_zero_rows(buffer, np.array([page], np.int64))
 
     def __repr__(self) -> str:

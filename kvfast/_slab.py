@@ -5,8 +5,11 @@ Same answers as ``kvref.ReferenceSlabTable`` for the same calls, with no
 Python object per huge block: ``owner`` and ``live`` are int32 arrays, the
 parked queue is an intrusive list in two int32 arrays ``prev`` / ``next``
 with sentinels ``HEAD = num_huge_blocks`` and ``TAIL = num_huge_blocks + 1``,
-so parking, un-parking from the middle and claiming the front are O(1). The policy over it (which
-leaf claims what, when) is ``kvref.Slab``'s; this module holds no policy.
+so parking, un-parking from the middle and claiming the front are O(1). The batched calls
+(``claim_pristine``, ``claim_front``, ``take_pages``, ``take_idle``, ``drop_idle``) run as one
+Numba pass each (a single block in Python, cheaper than a kernel call), leaving exactly the state
+of their loops of single-block calls. The policy over it (which leaf claims what, when) is
+``kvref.Slab``'s; this module holds no policy.
 """
 
 from __future__ import annotations
@@ -57,6 +60,114 @@ def _drop(prev, next_, parked, owner, live, parked_typed, tail, hs):
             k += 1
     return k
 
+
+@njit(nogil=True, cache=True)
+def _take_pages(prev, next_, parked, owner, live, parked_typed, pages, ratio, ref_count, idle_only):
+    """:func:`_take` of ``pages[i] // ratio`` for every page (``idle_only``: only the pages whose
+    ``ref_count`` is 0). Returns how many huge blocks were un-parked."""
+    k = 0
+    for i in range(pages.shape[0]):
+        b = pages[i]
+        if idle_only and ref_count[b] != 0:
+            continue
+        h = b // ratio
+        if parked[h]:
+            p = prev[h]
+            n = next_[h]
+            next_[p] = n
+            prev[n] = p
+            prev[h] = -1
+            next_[h] = -1
+            parked[h] = False
+            if owner[h] >= 0:
+                parked_typed[owner[h]] -= 1
+            k += 1
+        live[h] += 1
+    return k
+
+
+@njit(nogil=True, cache=True)
+def _drop_idle(prev, next_, parked, owner, live, parked_typed, tail, pages, ratio, ref_count):
+    """:func:`_drop` of ``pages[i] // ratio`` for every page ``!= 0`` whose ``ref_count`` is 0.
+    Returns how many huge blocks were parked."""
+    k = 0
+    for i in range(pages.shape[0]):
+        b = pages[i]
+        if b == 0 or ref_count[b] != 0:
+            continue
+        h = b // ratio
+        live[h] -= 1
+        if live[h] == 0:
+            p = prev[tail]
+            next_[p] = h
+            prev[h] = p
+            next_[h] = tail
+            prev[tail] = h
+            parked[h] = True
+            parked_typed[owner[h]] += 1
+            k += 1
+    return k
+
+
+@njit(nogil=True, cache=True)
+def _claim_front(prev, next_, parked, owner, parked_typed, head, leaf, hs, prevs):
+    """Unlink the ``hs.shape[0]`` front blocks of the parked queue into ``hs`` (their previous owners
+    into ``prevs``) and type them to ``leaf``; the caller checked that many are parked."""
+    for i in range(hs.shape[0]):
+        h = next_[head]
+        n = next_[h]
+        next_[head] = n
+        prev[n] = head
+        prev[h] = -1
+        next_[h] = -1
+        parked[h] = False
+        o = owner[h]
+        if o >= 0:
+            parked_typed[o] -= 1
+        owner[h] = leaf
+        hs[i] = h
+        prevs[i] = o
+
+
+_NO_REFS = np.zeros(1, np.int32)
+
+
+def _pages(pages) -> np.ndarray:
+    """Page ids as int64 ``[n]`` (a list through ``fromiter``, the fastest path for Python ints)."""
+    if isinstance(pages, np.ndarray):
+        return pages.astype(np.int64, copy=False).reshape(-1)
+    if type(pages) is not list:
+        pages = list(pages)
+    return np.fromiter(pages, np.int64, len(pages))
+
+
+_warmed = False
+
+
+def _warm() -> None:
+    """Compile (or load from the disk cache) this module's kernels once per process, when the first
+    table is built, so a request does not pay the load."""
+    global _warmed
+    if _warmed:
+        return
+    n = 4
+    prev = np.full(n + 2, -1, np.int32)
+    nxt = np.full(n + 2, -1, np.int32)
+    prev[n + 1], nxt[n] = n, n + 1  # an empty queue HEAD -> TAIL
+    parked = np.zeros(n, np.bool_)
+    owner = np.zeros(n, np.int32)
+    live = np.zeros(n, np.int32)
+    typed = np.zeros(1, np.int64)
+    hs = np.array([1, 2], np.int64)
+    rc = np.zeros(n, np.int32)
+    _take(prev, nxt, parked, owner, live, typed, hs)
+    _drop(prev, nxt, parked, owner, live, typed, n + 1, hs)  # parks 1, 2
+    _take_pages(prev, nxt, parked, owner, live, typed, hs, 1, rc, True)
+    _drop_idle(prev, nxt, parked, owner, live, typed, n + 1, hs, 1, rc)
+    _claim_front(prev, nxt, parked, owner, typed, n, 0, np.empty(0, np.int32), np.empty(0, np.int32))
+    _warmed = True
+
+
 __all__ = ["FastSlabTable"]
 
 
@@ -97,6 +208,7 @@ class FastSlabTable:
         self._parked[1:] = True
         self._num_parked = n - 1
         self._parked_typed = np.zeros(num_leaves, np.int64)
+        _warm()
 
     @property
     def num_parked(self) -> int:
@@ -144,6 +256,10 @@ class FastSlabTable:
         return v
 
     def take(self, hs) -> None:
+        if type(hs) is not list and not isinstance(hs, np.ndarray):
+            hs = list(hs)
+        if not len(hs):
+            return
         if len(hs) == 1:  # a decode step's page: no kernel call
             h = hs[0]
             if self._parked[h]:
@@ -155,11 +271,76 @@ class FastSlabTable:
                                   arr)
 
     def drop(self, hs) -> None:
+        if type(hs) is not list and not isinstance(hs, np.ndarray):
+            hs = list(hs)
         if not len(hs):
+            return
+        if len(hs) == 1:  # a decode step's page: no kernel call
+            h = hs[0]
+            v = int(self.live[h]) - 1
+            self.live[h] = v
+            if v == 0:
+                self.park(h)
             return
         arr = np.asarray(hs, dtype=np.int64)
         self._num_parked += _drop(self._prev, self._next, self._parked, self.owner, self.live, self._parked_typed,
                                   self._tail, arr)
+
+    def claim_pristine(self, leaf: int, k: int) -> range:
+        """Up to ``k`` pristine blocks off the queue's front, typed to ``leaf``: the pristine blocks
+        are the ids ``front .. num_huge_blocks-1`` at the front in order (``kvspec.engine.SlabTable``),
+        so the run is unlinked with a few slice writes."""
+        h0 = self.front()
+        if h0 == 0 or self.owner[h0] != PRISTINE or k <= 0:
+            return range(h0, h0)
+        h1 = min(h0 + k, self.num_huge_blocks)
+        prv, nxt = self._prev, self._next
+        after = nxt[h1 - 1]
+        nxt[self._head] = after
+        prv[after] = self._head
+        prv[h0:h1] = -1
+        nxt[h0:h1] = -1
+        self._parked[h0:h1] = False
+        self.owner[h0:h1] = leaf
+        self._num_parked -= h1 - h0
+        return range(h0, h1)
+
+    def claim_front(self, leaf: int, k: int) -> tuple[list[int], list[int]]:
+        if k == 1:  # a decode step's claim: no kernel call
+            h = self.front()
+            o = int(self.owner[h])
+            self.unpark(h)
+            self.owner[h] = leaf
+            return [h], [o]
+        hs = np.empty(k, np.int32)
+        prevs = np.empty(k, np.int32)
+        _claim_front(self._prev, self._next, self._parked, self.owner, self._parked_typed, self._head, leaf, hs,
+                     prevs)
+        self._num_parked -= k
+        return hs.tolist(), prevs.tolist()
+
+    def take_pages(self, pages, ratio: int) -> None:
+        if not len(pages):
+            return
+        if len(pages) == 1:
+            self.take([pages[0] // ratio])
+            return
+        self._num_parked -= _take_pages(self._prev, self._next, self._parked, self.owner, self.live,
+                                        self._parked_typed, _pages(pages), ratio, _NO_REFS, False)
+
+    def take_idle(self, pages, ratio: int, ref_count) -> None:
+        if not isinstance(ref_count, np.ndarray) or len(pages) <= 1:
+            self.take([b // ratio for b in pages if ref_count[b] == 0])
+            return
+        self._num_parked -= _take_pages(self._prev, self._next, self._parked, self.owner, self.live,
+                                        self._parked_typed, _pages(pages), ratio, ref_count, True)
+
+    def drop_idle(self, pages, ratio: int, ref_count) -> None:
+        if not isinstance(ref_count, np.ndarray) or len(pages) <= 1:
+            self.drop([b // ratio for b in pages if b and ref_count[b] == 0])
+            return
+        self._num_parked += _drop_idle(self._prev, self._next, self._parked, self.owner, self.live,
+                                       self._parked_typed, self._tail, _pages(pages), ratio, ref_count)
 
     def parked_order(self) -> list[int]:
         out, nxt, h = [], self._next, int(self._next[self._head])

@@ -258,6 +258,17 @@ class BlockPool:
                     out.append(b)
         return out
 
+    def unpublished_run(self, n: int) -> int:
+        """How many of the first ``n`` blocks ``allocate`` would pop are unpublished before the first
+        published one (a slab leaf pops that run without a claim decision, spec/manager.md §13.2);
+        reads the eviction front as :meth:`peek` does."""
+        run = 0
+        for b in self.peek(n):
+            if self.block_hash[b] is not None:
+                break
+            run += 1
+        return run
+
     def touch(self, block: int) -> None:
         """Take one more reference; a free (published) block leaves the free list."""
         if block == NULL_BLOCK:

@@ -294,6 +294,10 @@ def _new_generation() -> int:
     return secrets.randbits(63)
 
 
+def _size(entry: DiskEntry) -> int:
+    return entry.size
+
+
 class DiskTier(EntryIndex):
     """Block files under ``root`` within ``capacity`` bytes, LRU by use.
 
@@ -522,7 +526,7 @@ class DiskTier(EntryIndex):
                 os.close(dfd)
         files.sort(key=lambda x: (x[0], x[1]))
         for _, h, toks, size in files:
-            self._index[h] = DiskEntry(h, toks, size, state="ready", generation=self.generation)
+            self._add(DiskEntry(h, toks, size, state="ready", generation=self.generation))
             self.used += size
         found.indexed = len(files)
         while self.used > self.capacity and self._index:
@@ -611,19 +615,14 @@ class DiskTier(EntryIndex):
             return None
         need = self.used + self.file_bytes - self.capacity
         if need > 0:
-            victims, freed = [], 0
-            for e in self._evictable():
-                if freed >= need:
-                    break
-                victims.append(e)
-                freed += e.size
-            if freed < need:
+            victims = self._victims(need, _size)
+            if sum(e.size for e in victims) < need:
                 return None
             for e in victims:
                 self._drop(e)
         entry = DiskEntry(bytes(block_hash), np.array(tokens, dtype=np.int32), self.file_bytes,
                           generation=self.generation)
-        self._index[entry.block_hash] = entry
+        self._add(entry)
         self.used += entry.size
         return entry
 
@@ -633,7 +632,7 @@ class DiskTier(EntryIndex):
 
     def reject(self, entry: DiskEntry) -> None:
         """A read found the file bad: forget it; the file goes when unpinned."""
-        entry.dead = True
+        self._mark_dead(entry)
         if entry.pins == 0:
             self._drop(entry)
 
@@ -649,9 +648,8 @@ class DiskTier(EntryIndex):
 
     def _release(self, entry: DiskEntry) -> None:
         if self._index.get(entry.block_hash) is entry:
-            del self._index[entry.block_hash]
+            self._remove(entry)  # spec/tiers.md §3.1: its claim goes with it
             self.used -= entry.size
-            self._claims.pop(entry.block_hash, None)  # spec/tiers.md §3.1: a claim lives with its entry
 
     # ------------------------------------------------------------------ invariants
 
@@ -663,3 +661,4 @@ class DiskTier(EntryIndex):
         for h, e in self._index.items():
             assert e.block_hash == h, f"{p}: entry under {h.hex()[:12]} holds {e.block_hash.hex()[:12]}"
             assert e.pins >= 0, f"{p}: entry {h.hex()[:12]} pins={e.pins} < 0"
+        self._check_levels()

@@ -61,6 +61,10 @@ class Evicted:
     wanted: bool = False
 
 
+def _one(entry) -> int:
+    return 1
+
+
 class HostTier(EntryIndex):
     """Fixed arena of ``num_slots`` slots of ``page_bytes`` bytes, LRU by use.
 
@@ -113,15 +117,16 @@ class HostTier(EntryIndex):
             return None, []
         evicted: list[Evicted] = []
         if not self._has_free_slot():
-            victim = next(self._evictable(), None)
-            if victim is None:
+            victims = self._victims(1, _one)
+            if not victims:
                 return None, []
+            victim = victims[0]
             data = self.arena[victim.slot].copy() if copy_evicted and self.arena is not None else None
             evicted.append(Evicted(victim.block_hash, victim.tokens, data, wanted=copy_evicted))
             self._release(victim)
         slot = self._pop_slot()
         entry = HostEntry(bytes(block_hash), np.array(tokens, dtype=np.int32), slot)
-        self._index[entry.block_hash] = entry
+        self._add(entry)
         return entry, evicted
 
     def abort(self, entry: HostEntry) -> None:
@@ -133,9 +138,8 @@ class HostTier(EntryIndex):
 
     def _release(self, entry: HostEntry) -> None:
         if self._index.get(entry.block_hash) is entry:
-            del self._index[entry.block_hash]
+            self._remove(entry)  # spec/tiers.md §3.1: its claim goes with it
             self._released.append(entry.slot)
-            self._claims.pop(entry.block_hash, None)  # spec/tiers.md §3.1: a claim lives with its entry
 
     # ------------------------------------------------------------------ invariants
 
@@ -155,3 +159,4 @@ class HostTier(EntryIndex):
             assert e.block_hash == h, f"{p}: entry under {h.hex()[:12]} holds {e.block_hash.hex()[:12]}"
             assert e.pins >= 0, f"{p}: entry {h.hex()[:12]} pins={e.pins} < 0"
             assert e.state in ("writing", "ready"), f"{p}: entry {h.hex()[:12]} state={e.state!r}"
+        self._check_levels()

@@ -37,7 +37,7 @@ from kvspec._manager_types import (
 from kvspec.errors import InsufficientBlocksError, KVLoadFailed, KVLoadRefused
 from kvspec.retention import check_clock, expiry_of
 
-from kvspec._page_store import BookkeepingPageStore, LeafUnitStore, ScaledPageStore
+from kvspec._page_store import BookkeepingPageStore, LeafUnitStore, PaddedPageStore, ScaledPageStore
 from kvspec.engine import NULL_BLOCK, BlockPool, ManagerEngine
 
 from ._leaves import ExtendedResidency, Leaf, Residency, joint_hit
@@ -291,10 +291,10 @@ class PagedKVCacheManager:
         # spec/manager.md §1.4: one page store per replica, built by the engine over the final buffers.
         if self._holds_bytes and self._scales_shape:
             # spec/manager.md §16: one payload per page, values then scales, so every tier moves both.
-            stores = [ScaledPageStore(engine.page_store(self._store_buffer(r, self._conn_leaf)),
+            stores = [ScaledPageStore(self._page_store(r, self._conn_leaf),
                                       engine.page_store(self._scales[r][self._conn_leaf])) for r in range(self._dp)]
         elif self._holds_bytes:
-            stores = [engine.page_store(self._store_buffer(r, self._conn_leaf)) for r in range(self._dp)]
+            stores = [self._page_store(r, self._conn_leaf) for r in range(self._dp)]
         else:
             stores = [BookkeepingPageStore(num_blocks * ratios[self._conn_leaf], params.kv_page_bytes)
                       for _ in range(self._dp)]
@@ -333,11 +333,21 @@ class PagedKVCacheManager:
     def _store_buffer(self, r: int, lid: str):
         """The buffer the tiers' page store of leaf ``lid`` covers: the leaf's buffer, or, for a padded
         slab leaf (a strided view), its pages as contiguous ``uint8 [pages, padded_bytes]`` rows of the
-        slab (padding travels with the page; spec/manager.md §13.1)."""
+        slab (``_page_store`` cuts the padding off; spec/manager.md §13.1)."""
         g = self._geometry
         if g is None or g.padded_bytes[lid] == g.page_bytes[lid]:
             return self._buffers[r][lid]
         return self._slab_bytes[r].reshape(self._num_blocks * g.ratios[lid], g.padded_bytes[lid])
+
+    def _page_store(self, r: int, lid: str):
+        """The tiers' page store of leaf ``lid``'s values on replica ``r``: its data bytes only
+        (spec/manager.md §13.1: padding never travels, so a tier unit is ``params.page_bytes``
+        whatever the slab's geometry; a padded page store failed ``attach``'s size check)."""
+        store = self._engine.page_store(self._store_buffer(r, lid))
+        g = self._geometry
+        if g is None or g.padded_bytes[lid] == g.page_bytes[lid]:
+            return store
+        return PaddedPageStore(store, g.page_bytes[lid])
 
     def _leaf_buffer(self, r: int, leaf: Leaf):
         """Replica ``r``'s buffer of ``leaf``: its own array, or its view into the replica's slab."""
@@ -511,9 +521,11 @@ class PagedKVCacheManager:
         return None
 
     def _device_hit(self, r: int, hashes: list[bytes], tokens: np.ndarray, cap: int,
-                    resident: dict[str, Residency] | None = None) -> tuple[int, int]:
-        """(local hit, peer-extendable hit) in blocks, both ``<= cap``."""
-        local = joint_hit(self._leaves, cap, resident or self._resident(r, hashes, tokens))
+                    resident: dict[str, Residency] | None = None, leaves: list[Leaf] | None = None) -> tuple[int, int]:
+        """(local hit, peer-extendable hit) in blocks, both ``<= cap``; the joint rule over ``leaves``
+        (default every leaf; a subset: spec/manager.md §3.6)."""
+        leaves = self._leaves if leaves is None else leaves
+        local = joint_hit(leaves, cap, resident or self._resident(r, hashes, tokens))
         reach = local
         if self._simple and self._dp > 1:
             # spec/manager.md §7.3: past the local run, each block is local (after a hole) or peer-held.
@@ -531,8 +543,8 @@ class PagedKVCacheManager:
                 return lambda i: resident[lid](i) or self._peer_source(
                     r, hashes[i], self._block_tokens(tokens, i), lid) is not None
 
-            reach = max(local, joint_hit(self._leaves, cap, {
-                leaf.leaf_id: ExtendedResidency(0, asker(leaf.leaf_id)) for leaf in self._leaves}))
+            reach = max(local, joint_hit(leaves, cap, {
+                leaf.leaf_id: ExtendedResidency(0, asker(leaf.leaf_id)) for leaf in leaves}))
         return local, reach
 
     def _fits(self, r: int, demand: dict[str, int], taken: dict[str, set[int]]) -> bool:
@@ -764,13 +776,14 @@ class PagedKVCacheManager:
             else:
                 n = required - len(row)
             if n > 0:
-                free = pools[leaf.leaf_id].num_free
-                if n > free and not self._slabs:  # a slab's leaves are checked jointly, below
-                    self._raise_short(ctx, req.replica, leaf.leaf_id, n, free)
+                if not self._slabs:  # a slab's leaves are checked jointly, below
+                    free = pools[leaf.leaf_id].num_free
+                    if n > free:
+                        self._raise_short(ctx, req.replica, leaf.leaf_id, n, free)
                 need.append((leaf, row, n))
             elif n < 0 and self._drafts and not leaf.is_recurrent:
                 need.append((leaf, row, n))  # spec/manager.md §15: drafts past the need roll back
-        if self._slabs:
+        if self._slabs and need:  # nothing to draw (a decode step inside a page): nothing to check
             self._check_slab(ctx, req.replica, {leaf.leaf_id: n for leaf, _, n in need if n > 0}, None)
         for leaf, row, n in need:
             if n < 0:
@@ -862,6 +875,10 @@ class PagedKVCacheManager:
                 # from a peer into a fresh page, best effort: a copy needs a free local page.
                 pool, row, held = pools[self._conn_leaf], plan.rows[self._conn_leaf], touched[self._conn_leaf]
                 free = pool.num_free - pool.count_free(list(held))
+                # A copy draws the first free page not held and not drawn before: copies draw in free
+                # order, so one peek of the order past the hit's pages serves the walk (a page held
+                # later is skipped; each block adds at most one copy or one held page).
+                order, at = pool.peek(2 * (reach - local), skip=held), 0
                 for i in range(local, reach):
                     h, toks = hashes[i], self._block_tokens(tokens, i)
                     b = pool.lookup(h, toks)
@@ -869,7 +886,12 @@ class PagedKVCacheManager:
                         free -= pool.count_free([b])
                         held.add(b)
                     elif free and (src := self._peer_source(r, h, toks)) is not None:
-                        (b,) = pool.peek(1, skip=held.union(pops))
+                        while at < len(order) and order[at] in held:
+                            at += 1
+                        if at < len(order):
+                            b, at = order[at], at + 1
+                        else:
+                            (b,) = pool.peek(1, skip=held.union(pops))
                         plan.peer[i] = src
                         pops.append(b)
                         free -= 1
@@ -889,13 +911,14 @@ class PagedKVCacheManager:
                 n = (0 if have else 1) + (1 if self._caching and have < 2 else 0)
             else:
                 n = max(required - have, 0)
-            free = pool.num_free
-            if touched.get(lid):
-                free -= pool.count_free(list(touched[lid]))
-            if lid == self._conn_leaf:
-                free -= len(pops)
-            if n > free and not self._slabs:  # a slab's leaves are checked jointly, below
-                self._raise_short(ctx, r, lid, n, free, touched.get(lid, ()))
+            if not self._slabs:  # a slab's leaves are checked jointly, below
+                free = pool.num_free
+                if touched.get(lid):
+                    free -= pool.count_free(list(touched[lid]))
+                if lid == self._conn_leaf:
+                    free -= len(pops)
+                if n > free:
+                    self._raise_short(ctx, r, lid, n, free, touched.get(lid, ()))
             plan.need[lid] = n
         if self._slabs:
             self._check_slab(ctx, r, plan.need, touched)
@@ -1210,10 +1233,10 @@ class PagedKVCacheManager:
             for r in range(self._dp):
                 per = [stores[r]]
                 for leaf in order[1:]:
-                    buf = self._store_buffer(r, leaf.leaf_id)
+                    values = self._page_store(r, leaf.leaf_id)
                     scales = self._scales[r].get(leaf.leaf_id) if not leaf.is_recurrent else None
-                    per.append(ScaledPageStore(self._engine.page_store(buf), self._engine.page_store(scales))
-                               if scales is not None else self._engine.page_store(buf))
+                    per.append(ScaledPageStore(values, self._engine.page_store(scales))
+                               if scales is not None else values)
                 out.append(LeafUnitStore(per))
             units, bases = out[0].units, out[0].bases
         else:
@@ -1564,12 +1587,16 @@ class PagedKVCacheManager:
         for leaf in self._commit_order:  # the anchor first: nothing past its stop is published
             row, pool = req.rows[leaf.leaf_id], self._pools[r][leaf.leaf_id]
             kept = pool.publish_run(row[lo:stop], hashes[lo:stop], tokens[: (stop - lo) * page])
-            for j, c in enumerate(kept):
-                b = row[lo + j]
-                if c != b:  # spec/manager.md §5.1: twin dedup, keep the published copy (same chain)
-                    pool.touch(c)
-                    row[lo + j] = c
-                    pool.free([b])
+            twins = [j for j, c in enumerate(kept) if c != row[lo + j]]
+            if twins:  # spec/manager.md §5.1: twin dedup, keep the published copies (same chain)
+                # One touch_many of the twins (distinct: one chain), then one free of our copies in
+                # order: the same state as touch(c), free([b]) page by page (a twin is published, our
+                # copy is not, so neither call moves the other's page).
+                ours = [row[lo + j] for j in twins]
+                pool.touch_many([kept[j] for j in twins])
+                for j in twins:
+                    row[lo + j] = kept[j]
+                pool.free(ours)
             if leaf is self._anchor:
                 stop = lo + len(kept)  # a collision: block stop is retried at the next step
         req.committed = stop
@@ -1729,7 +1756,7 @@ class PagedKVCacheManager:
     def _drain(self) -> None:
         """Land finished loads, unpin finished offloads; never blocks."""
         errors = []
-        for load in list(self._loads):
+        for load in list(self._loads) if self._loads else ():
             errors += self._poll_load(load)
         for off in list(self._offloads):
             try:
@@ -1759,8 +1786,7 @@ class PagedKVCacheManager:
                     continue
                 n = len(pages)
                 pool.touch_many(pages)
-                for b in pages:
-                    self._pins[r][b] += 1
+                self._pins[r].update(pages)  # one pin per page per offload
                 try:
                     handle = self._connector.offload(pages, hashes[:n], toks[:n], r)
                     done = handle.is_complete()
@@ -1876,6 +1902,50 @@ class PagedKVCacheManager:
                           len(hashes) - dev)
             out.append(PrefixCacheHits(dev, ext))
         return out
+
+    def get_prefix_cache_hit_counts_per_leaf(self, ctx: TextContext, leaf_ids: Sequence[str]) -> list[int]:
+        """Per replica, the device blocks of ``ctx``'s prompt the leaves ``leaf_ids`` alone would serve
+        (read-only; spec/manager.md §3.6).
+
+        The joint hit of ``get_prefix_cache_hit_counts`` (``device_blocks``: the fixed point of
+        every leaf's rule, peer-held blocks counting when cross-replica copy applies) computed
+        over the named leaves only, the others ignored. With every leaf named it equals
+        ``device_blocks``; with the full-attention leaves of a sliding-window model, the blocks
+        past ``device_blocks`` are the ones the full leaves hold but the window cannot reach.
+        Changes nothing (no touch, no metric, no connector call). Works on unclaimed contexts.
+
+        Parameters
+        ----------
+        ctx : TextContext
+        leaf_ids : sequence of str
+            A non-empty list or tuple of distinct leaf ids of ``params.leaves()``.
+
+        Returns
+        -------
+        list of int
+            One per replica, in replica order.
+
+        Raises
+        ------
+        TypeError
+            ``ctx`` is not a TextContext; ``leaf_ids`` is not a list or tuple of str.
+        ValueError
+            ``leaf_ids`` is empty, repeats a leaf, or names a leaf this manager does not have.
+        """
+        op = "get_prefix_cache_hit_counts_per_leaf"
+        self._ctx(op, ctx)
+        if not isinstance(leaf_ids, (list, tuple)) or not all(isinstance(lid, str) for lid in leaf_ids):
+            raise TypeError(f"{op}: leaf_ids={leaf_ids!r}, must be a list or tuple of leaf ids (str)")
+        by_id = {leaf.leaf_id: leaf for leaf in self._leaves}
+        if not leaf_ids or len(set(leaf_ids)) != len(leaf_ids) or not set(leaf_ids) <= set(by_id):
+            raise ValueError(f"{op}: leaf_ids={list(leaf_ids)!r}, must be distinct leaf ids of "
+                             f"{sorted(by_id)!r}, at least one")
+        if not self._caching:
+            return [0] * self._dp
+        leaves = [by_id[lid] for lid in leaf_ids]
+        hashes = self._hashes_for(ctx, [])
+        tokens = ctx.tokens
+        return [self._device_hit(r, hashes, tokens, len(hashes), leaves=leaves)[1] for r in range(self._dp)]
 
     def block_count(self, replica_idx: int = 0) -> BlockCount:
         """``BlockCount(free, total)`` of the replica.

@@ -264,6 +264,45 @@ class ReferenceSlabTable:
             if not self.live[h]:
                 self.park(h)
 
+    def claim_pristine(self, leaf: int, k: int) -> range:
+        """Take up to ``k`` pristine huge blocks off the queue's front and type them to ``leaf``;
+        returns them (consecutive ids: pristine blocks only ever leave from the front)."""
+        first = self.front()
+        taken = 0
+        while taken < k and self._parked:
+            h = self.front()
+            if self.owner[h] != PRISTINE:
+                break
+            assert h == first + taken, f"ReferenceSlabTable: pristine block {h} after {first + taken - 1}"
+            self.unpark(h)
+            self.set_owner(h, leaf)
+            taken += 1
+        return range(first, first + taken)
+
+    def claim_front(self, leaf: int, k: int) -> tuple[list[int], list[int]]:
+        """Take the ``k`` front blocks off the queue and type them to ``leaf``; returns them and their
+        previous owners, front first."""
+        hs, prevs = [], []
+        for _ in range(k):
+            h = self.front()
+            hs.append(h)
+            prevs.append(self.owner[h])
+            self.unpark(h)
+            self.set_owner(h, leaf)
+        return hs, prevs
+
+    def take_pages(self, pages, ratio: int) -> None:
+        """``take`` of the huge block of each page of ``pages`` (allocated pages)."""
+        self.take(b // ratio for b in pages)
+
+    def take_idle(self, pages, ratio: int, ref_count) -> None:
+        """``take`` of the huge block of each page of ``pages`` whose ref count is 0 (about to be touched)."""
+        self.take(b // ratio for b in pages if ref_count[b] == 0)
+
+    def drop_idle(self, pages, ratio: int, ref_count) -> None:
+        """``drop`` of the huge block of each page ``!= 0`` of ``pages`` whose ref count is 0 (just freed)."""
+        self.drop(b // ratio for b in pages if b and ref_count[b] == 0)
+
     def parked_order(self) -> list[int]:
         """The parked queue, front first (for tests)."""
         return list(self._parked)
@@ -337,9 +376,12 @@ class Slab:
         """
         t = self.table
         # Plenty of room: even if every page drawn or taken took a parked block of its own (a page of
-        # a parked block un-parks it; a claim takes one), the parked blocks suffice.
-        worst = sum(n for n in demand.values() if n > 0)
-        if t.num_parked - sum(len(p) for p in (taken or {}).values()) >= worst:
+        # a parked block un-parks it; a claim takes one), the parked blocks suffice. O(leaves).
+        worst = 0
+        for n in demand.values():
+            if n > 0:
+                worst += n
+        if t.num_parked - (sum(map(len, taken.values())) if taken else 0) >= worst:
             return None
         carved, parked_typed = {}, {}
         unparked = set()
@@ -353,6 +395,13 @@ class Slab:
             parked_typed[lid] = t.parked_typed(i) - len(back)
         claimable = t.num_parked - len(unparked)
         wants = {lid: n for lid, n in demand.items() if n > 0}
+        # The same bound with the blocks the taken pages really un-park: a page drawn takes at most one
+        # parked block (a claim serves `ratio` pages with one). When every leaf that draws has one page
+        # per huge block it is exact (each free page is a parked block of its own), and the counts
+        # below agree with it: the replay runs only when a leaf of several pages per block draws near
+        # a full slab.
+        if worst <= claimable:
+            return None
         # MAX: a parked block typed to a leaf stays its own only while that leaf needs it.
         for lid in self.leaf_ids:
             n, ratio = wants.get(lid, 0), self.ratios[lid]
@@ -412,23 +461,34 @@ class Slab:
 
     # ------------------------------------------------------------------ claims
 
-    def _pages_of(self, leaf_id: str, h: int) -> list[int]:
+    def _pages_of(self, leaf_id: str, h: int) -> range:
         r = self.ratios[leaf_id]
-        return list(range(h * r, (h + 1) * r))
+        return range(h * r, (h + 1) * r)
 
-    def _claim(self, leaf_id: str) -> None:
-        """Claim the parked queue's front huge block for ``leaf_id`` (spec/manager.md §13.2)."""
-        t = self.table
-        h = t.front()
-        prev = t.owner[h]
-        t.unpark(h)
-        if prev != PRISTINE:
-            # The bytes change hands: the previous leaf's pages in it (all free) leave its
-            # free list and its prefix index (evicted).
-            old = self.leaf_ids[prev]
-            self.inner[old].revoke(self._pages_of(old, h))
-        t.set_owner(h, self._index[leaf_id])
-        self.inner[leaf_id].grant(self._pages_of(leaf_id, h))
+    def _claim(self, leaf_id: str, k: int = 1) -> None:
+        """Claim the parked queue's ``k`` front huge blocks for ``leaf_id`` (spec/manager.md §13.2),
+        as ``k`` claims in a row would: the caller pops every page of one before the next claim,
+        so all their pages join the leaf's free list at the front, block by block, ascending."""
+        hs, prevs = self.table.claim_front(self._index[leaf_id], k)
+        # The bytes change hands: the previous leaf's pages in them (all free) leave its free list
+        # and its prefix index (evicted), block by block (one call per run of one previous owner).
+        i = 0
+        while i < len(hs):
+            j = i + 1
+            while j < len(hs) and prevs[j] == prevs[i]:
+                j += 1
+            if prevs[i] != PRISTINE:
+                old = self.leaf_ids[prevs[i]]
+                self.inner[old].revoke(self._pages_of_many(old, hs[i:j]))
+            i = j
+        self.inner[leaf_id].grant(self._pages_of_many(leaf_id, hs))
+
+    def _pages_of_many(self, leaf_id: str, hs) -> range | list[int]:
+        """The pages of ``leaf_id`` in huge blocks ``hs``, block by block, ascending."""
+        r = self.ratios[leaf_id]
+        if len(hs) == 1:
+            return range(hs[0] * r, (hs[0] + 1) * r)
+        return [b for h in hs for b in range(h * r, (h + 1) * r)]
 
     def _wants_claim(self, leaf_id: str) -> bool:
         """MAX's rule: claim when the leaf has no free page, or its next free page is published
@@ -438,8 +498,7 @@ class Slab:
             return True
         if not t.num_parked or t.owner[t.front()] != PRISTINE:
             return False
-        (b,) = inner.peek(1)
-        return inner.block_hash[b] is not None
+        return inner.unpublished_run(1) == 0
 
     def allocate_one(self, leaf_id: str) -> int:
         if self.num_free(leaf_id) < 1:
@@ -451,46 +510,43 @@ class Slab:
         return b
 
     def allocate(self, leaf_id: str, n: int) -> list[int]:
-        """``n`` pages of ``leaf_id``, each drawn by the rule of :meth:`allocate_one`, in runs: between
-        two claim decisions the leaf pops its own pages in one batch (all it needs when no pristine
-        block is left, else the unpublished ones at its front). The caller checked ``n`` fit."""
+        """``n`` pages of ``leaf_id``, exactly as ``n`` calls of :meth:`allocate_one` would draw them,
+        in runs: between two claim decisions the leaf pops its own pages in one batch (all it needs
+        when no pristine block is left, else the unpublished run at its front), and consecutive
+        pristine claims are one table call. The caller checked ``n`` fit."""
         inner, ratio, t = self.inner[leaf_id], self.ratios[leaf_id], self.table
         out: list[int] = []
         while len(out) < n:
             if self._wants_claim(leaf_id):
                 if t.owner[t.front()] == PRISTINE:
-                    # each pristine block's pages are popped before the next claim: claim as many
-                    # as the rest needs at once, their pages in block order at the front
-                    me, pages = self._index[leaf_id], []
-                    for _ in range(-(-(n - len(out)) // ratio)):
-                        h = t.front()
-                        if not h or t.owner[h] != PRISTINE:
-                            break
-                        t.unpark(h)
-                        t.set_owner(h, me)
-                        pages += self._pages_of(leaf_id, h)
-                    inner.grant(pages)
+                    # each pristine block's pages are popped before the next claim (they are
+                    # unpublished): claim as many as the rest needs at once, their pages in block
+                    # order at the front
+                    hs = t.claim_pristine(self._index[leaf_id], -(-(n - len(out)) // ratio))
+                    inner.grant(range(hs.start * ratio, hs.stop * ratio))
                 else:
-                    self._claim(leaf_id)
+                    # No pristine block is left (they would be at the front), so the leaf claims
+                    # because its list is empty (no parked block is typed to it): it claims front
+                    # blocks until the rest is served, popping each whole before the next claim.
+                    self._claim(leaf_id, -(-(n - len(out)) // ratio))
             k = min(n - len(out), inner.num_free)
             if t.num_parked and t.owner[t.front()] == PRISTINE:
                 # a published front page would make the next draw claim: pop the unpublished run only
-                run = inner.peek(k)
-                k = max(1, next((j for j, b in enumerate(run) if inner.block_hash[b] is not None), k))
+                k = max(1, inner.unpublished_run(k))
             got = inner.allocate(k)
-            t.take([b // ratio for b in got])
+            t.take_pages(got, ratio)
             out += got
         return out
 
     def free(self, leaf_id: str, blocks: Iterable[int]) -> None:
         inner, ratio = self.inner[leaf_id], self.ratios[leaf_id]
-        blocks = [b for b in blocks if b]
+        if type(blocks) is not list:
+            blocks = list(blocks)
         if not blocks:
             return
-        inner.free(blocks)
-        rc = inner.ref_count
+        inner.free(blocks)  # skips the null page
         # spec/manager.md §13.2: a block whose last page went idle parks (typed, commits kept), in order
-        self.table.drop([b // ratio for b in blocks if rc[b] == 0])
+        self.table.drop_idle(blocks, ratio, inner.ref_count)
 
     def touch(self, leaf_id: str, b: int) -> None:
         inner = self.inner[leaf_id]
@@ -499,11 +555,8 @@ class Slab:
         inner.touch(b)
 
     def touch_many(self, leaf_id: str, blocks: Sequence[int]) -> int:
-        inner, ratio = self.inner[leaf_id], self.ratios[leaf_id]
-        rc = inner.ref_count
-        idle = [b // ratio for b in blocks if rc[b] == 0]
-        if idle:
-            self.table.take(idle)
+        inner = self.inner[leaf_id]
+        self.table.take_idle(blocks, self.ratios[leaf_id], inner.ref_count)
         return inner.touch_many(blocks)
 
     # ------------------------------------------------------------------ invariants and bytes

@@ -4,29 +4,48 @@ An entry is ``writing`` (reserved, bytes not landed) then ``ready``
 (hittable); ``pins`` hold it while a transfer reads it; ``dead`` marks an
 entry forgotten while pinned or being written, discarded once free. The
 index is an ``OrderedDict`` in LRU order (least recently used first). A tier
-subclass says how an entry's storage is given back (``_discard``).
+subclass says how an entry's storage is given back (``_discard``) and adds
+and removes entries through ``_add`` / ``_remove`` (``_mark_dead`` forgets one
+still in use).
 
 Retention (spec/tiers.md §3.1): an entry may hold a claim ``(priority,
 expiry)`` merged by ``set_retention`` (``kvspec.retention.merge``, expiry on
 ``clock``); eviction takes the lowest level first (an entry without a claim,
 or whose claim expired, is at level 35), least recently used within a level.
-Without any claim the order is plain LRU and costs nothing extra.
+
+The evictable entries (ready, unpinned, live) are kept per level, as the
+block pool keeps its free pages (``kvref/_block_pool.py``), so that no
+operation scans the index: each entry has an LRU rank (a counter bumped
+whenever it becomes the most recently used), each level a min-heap of
+``(rank, seq, hash)`` whose item is live while ``_at[hash] == (level, seq)``
+(a move re-pushes, the old item goes stale and is skipped; a heap holding
+more than twice its live items plus 64 is compacted: amortised O(1)), and
+the claims with a finite expiry a min-heap ``(expiry, hash)``; claims whose
+expiry passed are dropped before the eviction front is read, their entries
+moving to level 35 at their own rank (so between the entries of level 35 in
+LRU order, exactly as if they had never held a claim). Every operation is
+O(log n) or amortised O(1); reading the front costs O(log n) per entry read.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
 from collections import OrderedDict
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
-
 from kvspec import retention as _ret
 
 __all__ = ["EntryIndex"]
 
 #: Claims kept for hashes that have no entry yet (their offload is queued or in flight).
 _PENDING = 4096
+#: Stale heap items tolerated beyond the live ones before a heap is compacted.
+_SLACK = 64
+_DEFAULT = _ret.DEFAULT_PRIORITY
+_NEVER = _ret.NEVER
 
 
 class EntryIndex:
@@ -34,10 +53,25 @@ class EntryIndex:
 
     def __init__(self):
         self._index: OrderedDict[bytes, object] = OrderedDict()
-        #: retention claims by hash: (priority, expiry on ``clock``); only hashes with an entry count
+        #: retention claims of hashes with an entry: (priority, expiry on ``clock``); an expired
+        #: claim may stay until the eviction front is next read (it counts as none)
         self._claims: dict[bytes, tuple[int, float]] = {}
+        #: claims of hashes without an entry yet, the least recently claimed first
+        self._pending: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
         #: seconds for claim expiries (the connector assigns its own)
         self.clock = time.monotonic
+        #: LRU rank of every entry of the index: larger is more recent (the index's order)
+        self._rank: dict[bytes, int] = {}
+        self._tick = 0
+        #: evictable entries: hash -> (level, seq of its live heap item)
+        self._at: dict[bytes, tuple[int, int]] = {}
+        self._seq = 0
+        #: level -> min-heap of (rank, seq, hash), live items and stale ones
+        self._heaps: dict[int, list[tuple[int, int, bytes]]] = {}
+        #: level -> evictable entries at that level (levels without any are absent)
+        self._count: dict[int, int] = {}
+        #: (expiry, hash) of every claim in ``_claims`` with a finite expiry, and stale ones
+        self._expiries: list[tuple[float, bytes]] = []
 
     def _discard(self, entry) -> None:  # the tier's own: free its slot or delete its file
         raise AssertionError(f"{type(self).__name__} must define _discard")
@@ -64,20 +98,42 @@ class EntryIndex:
 
     def _evictable(self):
         """Ready, unpinned, live entries in eviction order: lowest retention level first,
-        least recently used first within a level (plain LRU while no entry holds a claim)."""
-        lru = (e for e in self._index.values() if e.state == "ready" and e.pins == 0 and not e.dead)
-        if not self._claims:
-            return lru
-        return iter(sorted(lru, key=self._level_at(self.clock())))  # stable: LRU within a level
+        least recently used first within a level (plain LRU while no entry holds a claim).
 
-    def _level_at(self, now: float):
-        claims = self._claims
+        A generator that takes the entries it yields off their heaps and puts them back
+        when it ends: exhaust or ``close()`` it before changing the index (``_victims``)."""
+        if self._expiries:
+            self._expire(self.clock())
+        at, index = self._at, self._index
+        taken: list[tuple[list, tuple[int, int, bytes]]] = []
+        try:
+            for level in sorted(self._count):
+                heap = self._heaps[level]
+                while heap:
+                    item = heapq.heappop(heap)
+                    if at.get(item[2]) != (level, item[1]):
+                        continue  # stale: dropped for good
+                    taken.append((heap, item))
+                    yield index[item[2]]
+        finally:
+            for heap, item in taken:
+                heapq.heappush(heap, item)
 
-        def level(entry) -> int:
-            c = claims.get(entry.block_hash)
-            return _ret.DEFAULT_PRIORITY if c is None or c[1] <= now else c[0]
-
-        return level
+    def _victims(self, need: int, size) -> list:
+        """The first entries of the eviction order whose ``size(entry)`` sum to at least
+        ``need`` (all evictable entries if they do not); changes nothing."""
+        out, freed = [], 0
+        it = self._evictable()
+        try:
+            while freed < need:
+                e = next(it, None)
+                if e is None:
+                    break
+                out.append(e)
+                freed += size(e)
+        finally:
+            it.close()
+        return out
 
     def retention(self, block_hash: bytes) -> tuple[int, float]:
         """The claim of ``block_hash``'s entry: ``(priority, expiry)``; ``(-1, inf)`` without one
@@ -93,23 +149,33 @@ class EntryIndex:
         creates; the claims of hashes that never get one are dropped past a bound
         (``_PENDING`` beyond twice the entries, oldest first: amortised O(1))."""
         now = None
-        claims = self._claims
+        claims, pending, index, at = self._claims, self._pending, self._index, self._at
         for h in hashes:
-            e = self._index.get(h)
+            e = index.get(h)
             if e is not None and e.dead:
                 continue
-            old = claims.pop(h, None)  # re-inserted: the most recent claim is the last to go
+            old = claims.get(h) if e is not None else pending.pop(h, None)
             if old is None:
-                claims[h] = (priority, expiry)
+                new = (priority, expiry)
+            else:
+                if now is None:
+                    now = self.clock()
+                new = _ret.merge(old[0], old[1], priority, expiry, now)
+            if e is None:
+                pending[h] = new  # re-inserted: the most recent claim is the last to go
                 continue
-            if now is None:
-                now = self.clock()
-            claims[h] = _ret.merge(old[0], old[1], priority, expiry, now)
-        if len(claims) > 2 * len(self._index) + _PENDING:
-            index = self._index
-            pending = [h for h in claims if h not in index]
-            for h in pending[: len(pending) - _PENDING]:
-                del claims[h]
+            if new == old:
+                continue
+            claims[h] = new
+            if new[1] != _NEVER:
+                self._push_expiry(new[1], h)
+            a = at.get(h)
+            if a is not None and a[0] != new[0]:
+                self._unplace(h)
+                self._place(h, new[0])
+        if len(claims) + len(pending) > 2 * len(index) + _PENDING:
+            while len(pending) > _PENDING:  # each claim is dropped once: amortised O(1)
+                pending.popitem(last=False)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -120,28 +186,162 @@ class EntryIndex:
             self._discard(entry)
             return
         entry.state = "ready"
-        self._index.move_to_end(entry.block_hash)
+        h = entry.block_hash
+        self._index.move_to_end(h)
+        self._bump(h)
+        if entry.pins == 0:
+            self._unplace(h)
+            self._place(h, self._level(h))
 
     def pin(self, entry) -> None:
         entry.pins += 1
+        if entry.pins == 1 and self._index.get(entry.block_hash) is entry:
+            self._unplace(entry.block_hash)
 
     def unpin(self, entry) -> None:
         entry.pins -= 1
-        if entry.pins == 0 and entry.dead:
-            self._discard(entry)
+        if entry.pins == 0:
+            if entry.dead:
+                self._discard(entry)
+            elif entry.state == "ready" and self._index.get(entry.block_hash) is entry:
+                self._place(entry.block_hash, self._level(entry.block_hash))
 
     def touch(self, hashes: Iterable[bytes]) -> None:
         """Make the given hashes most recently used, in the order given (the
         last one ends up most recent)."""
+        index, at = self._index, self._at
         for h in hashes:
-            e = self._index.get(h)
+            e = index.get(h)
             if e is not None and not e.dead:
-                self._index.move_to_end(h)
+                index.move_to_end(h)
+                self._bump(h)
+                a = at.get(h)
+                if a is not None:
+                    self._unplace(h)
+                    self._place(h, a[0])
 
     def clear(self) -> None:
         """Forget every entry; those still read or written are discarded when they end."""
         self._claims.clear()
+        self._pending.clear()
+        self._expiries.clear()
+        self._at.clear()
+        self._heaps.clear()
+        self._count.clear()
         for e in list(self._index.values()):
             e.dead = True
             if e.pins == 0 and e.state == "ready":
                 self._discard(e)
+
+    # ------------------------------------------------------------------ for the tiers
+
+    def _add(self, entry) -> None:
+        """Insert a new entry (its hash has none) as the most recently used; a claim made
+        while its offload was queued becomes its claim."""
+        h = entry.block_hash
+        self._index[h] = entry
+        self._bump(h)
+        c = self._pending.pop(h, None)
+        if c is not None:
+            self._claims[h] = c
+            if c[1] != _NEVER:
+                self._push_expiry(c[1], h)
+        if entry.state == "ready" and entry.pins == 0 and not entry.dead:
+            self._place(h, self._level(h))
+
+    def _remove(self, entry) -> None:
+        """Take ``entry`` (the index's entry of its hash) out of the index, its claim with it."""
+        h = entry.block_hash
+        del self._index[h]
+        del self._rank[h]
+        self._claims.pop(h, None)  # spec/tiers.md §3.1: a claim lives with its entry
+        self._unplace(h)
+
+    def _mark_dead(self, entry) -> None:
+        """Forget ``entry``: never hit nor evicted again, discarded by its owner once free."""
+        entry.dead = True
+        if self._index.get(entry.block_hash) is entry:
+            self._unplace(entry.block_hash)
+
+    # ------------------------------------------------------------------ retention levels
+
+    def _bump(self, h: bytes) -> None:
+        self._tick += 1
+        self._rank[h] = self._tick
+
+    def _level(self, h: bytes) -> int:
+        """Level of ``h``'s claim; an expired claim still here is moved by the next ``_expire``."""
+        c = self._claims.get(h)
+        return _DEFAULT if c is None else c[0]
+
+    def _place(self, h: bytes, level: int) -> None:
+        """Make entry ``h`` evictable at ``level`` (at its own rank)."""
+        self._seq += 1
+        self._at[h] = (level, self._seq)
+        heap = self._heaps.get(level)
+        if heap is None:
+            heap = self._heaps[level] = []
+        heapq.heappush(heap, (self._rank[h], self._seq, h))
+        n = self._count[level] = self._count.get(level, 0) + 1
+        if len(heap) > 2 * n + _SLACK:  # stale items of moved entries: amortised O(1)
+            at = self._at
+            heap[:] = [x for x in heap if at.get(x[2]) == (level, x[1])]
+            heapq.heapify(heap)
+
+    def _unplace(self, h: bytes) -> None:
+        a = self._at.pop(h, None)
+        if a is None:
+            return
+        n = self._count[a[0]] - 1
+        if n:
+            self._count[a[0]] = n
+        else:  # only stale items are left
+            del self._count[a[0]]
+            del self._heaps[a[0]]
+
+    def _push_expiry(self, expiry: float, h: bytes) -> None:
+        heapq.heappush(self._expiries, (expiry, h))
+        if len(self._expiries) > 2 * len(self._claims) + _SLACK:
+            claims = self._claims
+            self._expiries = [x for x in self._expiries if (claims.get(x[1]) or (0, None))[1] == x[0]]
+            heapq.heapify(self._expiries)
+
+    def _expire(self, now: float) -> None:
+        """spec/tiers.md §3.1: claims whose expiry passed are dropped (they count as none);
+        their evictable entries move to level 35, at their own LRU rank."""
+        ex, claims, at = self._expiries, self._claims, self._at
+        while ex and ex[0][0] <= now:
+            x, h = heapq.heappop(ex)
+            c = claims.get(h)
+            if c is None or c[1] != x:
+                continue  # stale: the claim changed or went
+            del claims[h]
+            a = at.get(h)
+            if a is not None and a[0] != _DEFAULT:
+                self._unplace(h)
+                self._place(h, _DEFAULT)
+
+    def _check_levels(self) -> None:
+        """``AssertionError`` unless the level heaps hold exactly the evictable entries at
+        their claim's level, the ranks follow the index's order, and every finite claim
+        has its expiry item (O(n); for tests and ``check_invariants``)."""
+        p = f"{type(self).__name__}._check_levels"
+        ranks = [self._rank[h] for h in self._index]
+        assert len(self._rank) == len(self._index), f"{p}: {len(self._rank)} ranks for {len(self._index)} entries"
+        assert all(a < b for a, b in itertools.pairwise(ranks)), f"{p}: ranks out of the index's LRU order"
+        want = {h for h, e in self._index.items() if e.state == "ready" and e.pins == 0 and not e.dead}
+        assert set(self._at) == want, f"{p}: {len(self._at)} placed entries, {len(want)} evictable"
+        items = {level: set(heap) for level, heap in self._heaps.items()}
+        for h, (level, seq) in self._at.items():
+            assert level == self._level(h), f"{p}: {h.hex()[:12]} at level {level}, claim {self._claims.get(h)}"
+            assert (self._rank[h], seq, h) in items[level], f"{p}: {h.hex()[:12]} not in its heap"
+        counts: dict[int, int] = {}
+        for level, _ in self._at.values():
+            counts[level] = counts.get(level, 0) + 1
+        assert counts == self._count, f"{p}: level counts {self._count} != {counts}"
+        assert set(self._heaps) == set(self._count), f"{p}: heaps of empty levels"
+        assert set(self._claims) <= set(self._index), f"{p}: a claim without an entry"
+        assert not set(self._pending) & set(self._index), f"{p}: a pending claim of a hash with an entry"
+        live = set(self._expiries)
+        for h, (_, x) in self._claims.items():
+            assert x == _NEVER or (x, h) in live, f"{p}: claim of {h.hex()[:12]} has no expiry item"

@@ -1070,6 +1070,9 @@ class TieredConnector:
         if isinstance(hashes, (bytes, bytearray, str)) or not hasattr(hashes, "__len__"):
             raise TypeError(f"{o}: hashes={hashes!r:.60}, must be a sequence of bytes")
         size = digest_size(self._params.hash_algo)
+        if type(hashes) is list and (not hashes or (set(map(type, hashes)) == {bytes}
+                                                    and set(map(len, hashes)) == {size})):
+            return hashes[:]  # the manager's runs: checked in two C-level passes (the loop names a bad one)
         out = []
         for i, h in enumerate(hashes):
             if not isinstance(h, (bytes, bytearray)):
@@ -1101,6 +1104,10 @@ class TieredConnector:
         if len(block_ids) != n:
             raise ValueError(f"{o}: len(block_ids)={len(block_ids)} != len(hashes)={n}")
         num_blocks = self._stores[replica_idx].num_pages
+        if (type(block_ids) is list and n and set(map(type, block_ids)) == {int}
+                and 0 < min(block_ids) and max(block_ids) < num_blocks
+                and (not distinct or len(set(block_ids)) == n)):
+            return block_ids[:]  # the manager's pages: checked in C-level passes (the loop names a bad one)
         ids = []
         for i, b in enumerate(block_ids):
             b = check_int(o, f"block_ids[{i}]", b)

@@ -8,6 +8,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvcache.attribution import CAUSES, LostHits
 from kvcache.models import get_model
@@ -256,3 +258,89 @@ def test_ceiling_page_ids_equal_the_hash_chain(page):
         chained = infinite_cache_ceiling(w, page, hash_algo=algo)
         assert np.array_equal(fast.per_request, chained.per_request)
         assert all(np.array_equal(a, b) for a, b in zip(fast.page_ids, chained.page_ids, strict=True))
+
+
+# --------------------------------------------------------------------------- sliding window, end to end
+
+
+def _window_manager(pkg):
+    from kvspec import KVCacheParams, TextContext
+
+    p = KVCacheParams(4, 1, 1, 2, leaves={"full": LeafSpec.full(), "swa": LeafSpec.sliding_window(8)},
+                      allocate_buffers=False)
+    m = pkg.PagedKVCacheManager(p, num_blocks=24, max_batch_size=4, max_seq_len=64)
+    a = TextContext("a", np.arange(1, 41, dtype=np.int32))  # 10 pages, decoding 20 more tokens
+    m.claim(a, 0)
+    m.alloc(a)
+    a.update(100)
+    m.step(a)
+    for t in range(101, 121):
+        m.alloc(a)
+        a.update(t)
+        m.step(a)
+    f = TextContext("f", np.arange(500, 504, dtype=np.int32))  # takes the last free pages: evicts the
+    m.claim(f, 0)                                             # window pages 'a' no longer needs
+    m.alloc(f)
+    f.update(1)
+    m.step(f)
+    b = TextContext("b", np.concatenate([np.arange(1, 25, dtype=np.int32), np.array([900, 901], np.int32)]))
+    return m, b
+
+
+@pytest.mark.parametrize("pkg_name", ["kvref", "kvfast"])
+def test_per_leaf_prefix_hit_query(pkg_name):
+    """spec/manager.md §3.6: the hit of the named leaves alone; read-only; arguments checked."""
+    import importlib
+
+    m, b = _window_manager(importlib.import_module(pkg_name))
+    before = (m.get_metrics_aggregated().as_dict(), m.block_count(0), m._free_order(0), m._free_order(0, "swa"))
+    assert m.get_prefix_cache_hit_counts(b)[0].device_blocks == 0  # the window before page 6 is gone
+    assert m.get_prefix_cache_hit_counts_per_leaf(b, ["full"]) == [6]  # 'a' holds its prompt's pages
+    assert m.get_prefix_cache_hit_counts_per_leaf(b, ("swa",)) == [0]
+    assert m.get_prefix_cache_hit_counts_per_leaf(b, ["swa", "full"]) == [0]  # every leaf: the joint hit
+    for bad, err, match in (("full", TypeError, "must be a list or tuple"), ([1], TypeError, "must be a list"),
+                            ([], ValueError, "at least one"), (["full", "full"], ValueError, "distinct"),
+                            (["nope"], ValueError, r"leaf ids of \['full', 'swa'\]")):
+        with pytest.raises(err, match=match):
+            m.get_prefix_cache_hit_counts_per_leaf(b, bad)
+    with pytest.raises(TypeError, match="get_prefix_cache_hit_counts_per_leaf: ctx="):
+        m.get_prefix_cache_hit_counts_per_leaf("b", ["full"])
+    assert (m.get_metrics_aggregated().as_dict(), m.block_count(0), m._free_order(0), m._free_order(0, "swa")) == before
+    m.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["kvref", "kvfast"])
+def test_sliding_window_only(backend):
+    # 'a' (40-token prompt) decodes while 'f' runs; 'b', admitted after 'f', asks for a's first 24 tokens.
+    # The full leaf still holds those 6 pages (a references them); the sliding leaf released the ones
+    # below its window as 'a' moved on, and the small pool evicted them: the window before every stop
+    # is gone, so the joint hit is 0, and the 24 tokens are the window's loss alone.
+    a = list(range(1, 41))
+    w = [req("a", a, list(range(100, 140))), req("f", [500 + i for i in range(8)], [1, 2]),
+         req("b", a[:24] + [900, 901, 902, 903, 904], [3])]
+    leaves = (("full", LeafSpec.full()), ("swa", LeafSpec.sliding_window(8)))
+    s = replay(w, ReplayConfig(page_size=4, num_blocks=24, max_inflight=2, leaves=leaves,
+                               **{**TINY, "backend": backend}))
+    assert only(s, "sliding_window") == 24 and s.hit_tokens == 0 and s.preemptions == 0
+    roomy = replay(w, ReplayConfig(page_size=4, num_blocks=64, max_inflight=2, leaves=leaves, **TINY))
+    assert roomy.hit_tokens == roomy.ceiling_hit_tokens == 24 and roomy.lost_hit_tokens == {}
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(4, 16), seed=st.integers(0, 50), page=st.sampled_from([4, 16]), extra=st.integers(0, 200),
+       inflight=st.integers(1, 8), window=st.sampled_from([8, 33, 256]), drafts=st.sampled_from([0, 3]),
+       causal=st.booleans())
+def test_causes_sum_with_a_sliding_leaf(n, seed, page, extra, inflight, window, drafts, causal):
+    """The sum rule with the full leaves' hit in the ladder (and speculation, and without causality)."""
+    from kvcache.workload import synthetic_workload
+
+    w = synthetic_workload(n, seed=seed)
+    if not causal:
+        w = [Request(r.request_id, r.prompt, r.output, r.arrival) for r in w]
+    need = max(-(-r.total_length // page) for r in w)
+    leaves = (("full", LeafSpec.full()), ("swa", LeafSpec.sliding_window(window)))
+    s = replay(w, ReplayConfig(page_size=page, num_blocks=2 * need + 2 + extra, max_inflight=inflight,
+                               leaves=leaves, draft_tokens=drafts, **TINY))
+    assert s.attribution_mismatches == 0
+    assert s.lost_hit_total == s.ceiling_hit_tokens - s.hit_tokens
+    assert all(v > 0 and v % page == 0 for v in s.lost_hit_tokens.values())

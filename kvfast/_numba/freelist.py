@@ -26,6 +26,7 @@ from numba import njit
 __all__ = [
     "touch_many", "init_list", "pop_front_n", "pop_front_evict", "free_many", "walk", "walk_nodes", "unlink",
     "verify_run", "publish_rows", "set_retention", "NUM_LEVELS", "DEFAULT_LEVEL", "warm",
+    "push_front_many", "unlink_many", "unpublished_run",
 ]
 
 #: Retention levels (priorities 0 .. 100, spec/manager.md §14) and the level of a page without a claim.
@@ -89,6 +90,51 @@ def unlink(prev, next_, b):
     prev[n] = p
     prev[b] = -1
     next_[b] = -1
+
+
+@njit(nogil=True, cache=True)
+def push_front_many(prev, next_, head, blocks):
+    """Put ``blocks`` (off the list) at the front in the order given: ``blocks[0]`` is popped first
+    (a slab leaf's pages of a huge block it claimed, spec/manager.md §13.2)."""
+    nn = next_[head]
+    for i in range(blocks.shape[0] - 1, -1, -1):
+        b = blocks[i]
+        prev[nn] = b
+        next_[b] = nn
+        nn = b
+    next_[head] = nn
+    prev[nn] = head
+
+
+@njit(nogil=True, cache=True)
+def unlink_many(prev, next_, blocks):
+    """Take each of ``blocks`` (all on the list) out of it (a slab leaf's pages of a huge block
+    another leaf claims, spec/manager.md §13.2)."""
+    for i in range(blocks.shape[0]):
+        b = blocks[i]
+        p = prev[b]
+        n = next_[b]
+        next_[p] = n
+        prev[n] = p
+        prev[b] = -1
+        next_[b] = -1
+
+
+@njit(nogil=True, cache=True)
+def unpublished_run(next_, published, head, tail, lo, n):
+    """How many of the first ``n`` blocks a pop would take are unpublished before the first
+    published one (sentinels skipped; an empty front starts at level ``lo``)."""
+    b = next_[head]
+    if b >= head:
+        b = head + 1 + min(lo, NUM_LEVELS - 1)
+    run = 0
+    while run < n and b != tail:
+        if b < head:
+            if published[b]:
+                break
+            run += 1
+        b = next_[b]
+    return run
 
 
 @njit(nogil=True, cache=True)
@@ -341,6 +387,9 @@ def warm() -> None:
     set_retention(prev, nxt, rc, pub, prio, exp, n, NUM_LEVELS, blocks, 50, 1.0, 0.0, ttl)
     free_many(prev, nxt, rc, pub, prio, exp, n, NUM_LEVELS, 0.0, blocks, ttl)
     touch_many(prev, nxt, rc, blocks[:1])
+    unpublished_run(nxt, pub, n, list_size(n) - 1, NUM_LEVELS, 2)
+    unlink_many(prev, nxt, blocks[1:2])  # block 2 is free after free_many
+    push_front_many(prev, nxt, n, blocks[1:2])
     walk(nxt, n, list_size(n) - 1, out)
     walk_nodes(nxt, n, list_size(n) - 1, np.zeros(list_size(n), np.int32))
     _warmed = True

@@ -15,7 +15,8 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-__all__ = ["PageStore", "HostPageStore", "BookkeepingPageStore", "ScaledPageStore", "LeafUnitStore"]
+__all__ = ["PageStore", "HostPageStore", "BookkeepingPageStore", "ScaledPageStore", "LeafUnitStore",
+           "PaddedPageStore"]
 
 
 @runtime_checkable
@@ -208,6 +209,64 @@ class ScaledPageStore:
 
     def __repr__(self) -> str:
         return f"ScaledPageStore(num_pages={self.num_pages}, page_nbytes={self.page_nbytes})"
+
+
+class PaddedPageStore:
+    """The first ``nbytes`` of every page of ``store``: a padded slab page's data without its
+    padding (spec/manager.md §13.1), so the tiers move ``params`` page bytes, as in every other
+    geometry, and a unit on a tier never depends on how a slab padded it.
+
+    ``read`` returns a new array; ``write`` zero-fills the padding.
+
+    Raises ``TypeError`` for a store that is not a ``PageStore``, ``ValueError`` for one without
+    bytes or ``nbytes`` outside ``[1, store.page_nbytes]``.
+    """
+
+    holds_bytes = True
+
+    def __init__(self, store: PageStore, nbytes: int):
+        if not isinstance(store, PageStore):
+            raise TypeError(f"PaddedPageStore: store is {type(store).__name__}, must be a kvspec.PageStore")
+        if not store.holds_bytes:
+            raise ValueError("PaddedPageStore: store.holds_bytes=False, must hold bytes")
+        if not 1 <= int(nbytes) <= int(store.page_nbytes):
+            raise ValueError(f"PaddedPageStore: nbytes={nbytes} out of range [1, {int(store.page_nbytes)}]")
+        self.store = store
+        self.buffer = getattr(store, "buffer", None)
+        self.num_pages = int(store.num_pages)
+        self.page_nbytes = int(nbytes)
+        self._padded = int(store.page_nbytes)
+
+    def read(self, block_ids: Sequence[int]) -> np.ndarray:
+        """uint8 ``[n, page_nbytes]``: each page's data bytes (a new array)."""
+        return np.array(np.asarray(self.store.read(block_ids))[:, : self.page_nbytes], dtype=np.uint8)
+
+    def write(self, block_ids: Sequence[int], data: np.ndarray) -> None:
+        """Overwrite pages ``block_ids`` with ``data`` uint8 ``[n, page_nbytes]``, padding zeroed.
+
+        Raises ``ValueError`` for data of the wrong size, before the store changes.
+        """
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        data = np.asarray(data)
+        if data.nbytes != ids.size * self.page_nbytes:
+            raise ValueError(f"PaddedPageStore.write: data.nbytes={data.nbytes} != len(block_ids)*page_nbytes="
+                             f"{ids.size}*{self.page_nbytes}")
+        whole = np.zeros((ids.size, self._padded), dtype=np.uint8)
+        whole[:, : self.page_nbytes] = np.ascontiguousarray(data).view(np.uint8).reshape(ids.size, -1)
+        self.store.write(ids, whole)
+
+    def alloc_host(self, num_pages: int) -> np.ndarray:
+        """Zeroed host memory for ``num_pages`` pages, uint8 ``[num_pages, page_nbytes]``, carved from
+        the store's ``alloc_host`` (pinned on a GPU)."""
+        n = int(num_pages)
+        if n < 0:
+            raise ValueError(f"PaddedPageStore.alloc_host: num_pages={n} < 0")
+        total = n * self.page_nbytes
+        base = self.store.alloc_host(-(-total // self._padded) if total else 0)
+        return np.asarray(base).reshape(-1)[:total].reshape(n, self.page_nbytes)
+
+    def __repr__(self) -> str:
+        return f"PaddedPageStore(num_pages={self.num_pages}, page_nbytes={self.page_nbytes} of {self._padded})"
 
 
 class LeafUnitStore:

@@ -11,6 +11,19 @@ the front; pristine blocks ``1 .. H-1`` start it in ascending order).
 Implementations: ``kvref.ReferenceSlabTable`` (lists and an ordered dict) and
 ``kvfast``'s table (int32 arrays and an intrusive parked list). Both are O(1)
 per operation and give identical answers for identical calls.
+
+The batched calls (``claim_pristine``, ``claim_front``, ``take_pages``,
+``take_idle``, ``drop_idle``) are each defined as a loop of the single-block calls above; an
+engine may run them in one compiled pass (``kvfast``) but must leave exactly
+the state the loop leaves. Pristine huge blocks are only ever taken from the
+queue's front and never return to it, so they are always the ids
+``h0 .. num_huge_blocks-1`` in ascending order at the front of the queue.
+
+A slab leaf's pool (a ``kvspec.engine.BlockPool``) also provides
+``unpublished_run(n)``: how many of the first ``n`` pages ``allocate`` would pop
+(front first) are unpublished before the first published one; it reads the
+eviction front as ``peek`` does (expired retention claims move first) and
+changes nothing else.
 """
 
 from __future__ import annotations
@@ -74,6 +87,28 @@ class SlabTable(Protocol):
     def drop(self, hs) -> None:
         """For each huge block of ``hs`` in order (a page of it went idle): ``live -= 1``; at 0 the
         block is parked at the back of the queue."""
+
+    def claim_pristine(self, leaf: int, k: int) -> range:
+        """Take up to ``k`` pristine huge blocks off the front of the parked queue and type them to
+        ``leaf`` (``unpark`` + ``set_owner`` of each, front first); stops at the first typed block.
+        Returns the blocks taken, a run of consecutive ids (see the module docstring)."""
+
+    def claim_front(self, leaf: int, k: int) -> tuple[list[int], list[int]]:
+        """Take the ``k`` front blocks off the parked queue (the caller checked ``k <= num_parked``)
+        and type them to ``leaf`` (``front`` + ``unpark`` + ``set_owner`` of each, in order).
+        Returns the blocks and their previous owners (``PRISTINE`` or a leaf), front first."""
+
+    def take_pages(self, pages, ratio: int) -> None:
+        """``take([p // ratio for p in pages])``: pages of a leaf with ``ratio`` pages per huge block
+        were referenced (allocated)."""
+
+    def take_idle(self, pages, ratio: int, ref_count) -> None:
+        """``take`` of ``p // ratio`` for each page ``p`` of ``pages`` (distinct, none null) whose
+        ``ref_count[p]`` is 0, in order: the pages are about to be touched, the idle ones revive."""
+
+    def drop_idle(self, pages, ratio: int, ref_count) -> None:
+        """``drop`` of ``p // ratio`` for each page ``p != 0`` of ``pages`` whose ``ref_count[p]`` is 0,
+        in order: the pages were just freed, the ones that went idle release their huge blocks."""
 
     def parked_order(self) -> list[int]:
         """The parked queue front to back (for tests)."""
