@@ -149,7 +149,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             if req is not None and req.ctx is ctx and not req.dummy and req.load is None and not req.ext_point:
                 row = req.rows[self._conn_leaf]
                 active = ctx._active
-                if row and ctx._length <= self._max_seq_len:
+                if row and ctx._length <= self._max_seq_len and ctx._processed >= req.committed * self._page:
                     if self._loads or self._offloads:
                         self._drain()  # spec/manager.md §9.2: finished transfers land before the sizing
                     # Not at the reuse point (the row holds pages): only growth, no splice.
@@ -187,6 +187,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             self._check_len(op, ctx)  # raises ValueError
         if ctx._spec_decoding_state is not None:
             self._check_drafts(op, ctx)  # spec/manager.md §15: no drafts without num_draft_tokens
+        self._check_no_rewind(op, req, ctx)  # spec/manager.md §11.21
         if req.dummy:
             return self._size_dummy(req)
         leaf_id = self._conn_leaf

@@ -242,8 +242,6 @@ class PagedKVCacheManager:
         for pools in self._pools:
             for pool in pools.values():
                 pool.clock = clock
-                if hasattr(pool, "inner"):  # a slab leaf's view: its inner pool orders the pages
-                    pool.inner.clock = clock
         # spec/manager.md §1.3 / §1.5: buffers exist only when params.allocate_buffers (else nothing is O(bytes)).
         self._holds_bytes = params.allocate_buffers
         # spec/manager.md §13.1: with a slab, one uint8 [num_blocks, huge_bytes] per replica, every leaf's
@@ -438,6 +436,16 @@ class PagedKVCacheManager:
     def _check_len(self, op: str, ctx: TextContext) -> None:
         if len(ctx) > self._max_seq_len:
             raise ValueError(f"{op}: len(ctx)={len(ctx)} > max_seq_len={self._max_seq_len}")
+
+    def _check_no_rewind(self, op: str, req: _Request, ctx: TextContext) -> None:
+        """spec/manager.md §11.21: a claimed request never rewinds into its published pages (the
+        next forward would overwrite K/V other requests may share)."""
+        if ctx.processed_length < req.committed * self._page:
+            raise ValueError(
+                f"{op}: request_id={ctx.request_id!r} processed_length={ctx.processed_length} < "
+                f"{req.committed * self._page} tokens already published in its pages; a claimed request "
+                "must not rewind into them: release it, reset the context and claim it again"
+            )
 
     def _required_blocks(self, ctx: TextContext) -> int:
         return -(-self._seq_len(ctx) // self._page)
@@ -721,7 +729,7 @@ class PagedKVCacheManager:
         req = self._requests.get(ctx.request_id) if type(ctx) is TextContext else None
         if (req is not None and req.ctx is ctx and defer_lookup is False and req.load is None
                 and not req.ext_point and not req.dummy and not self._closed and len(ctx) <= self._max_seq_len
-                and req.rows[self._anchor.leaf_id]):
+                and req.rows[self._anchor.leaf_id] and ctx._processed >= req.committed * self._page):
             # spec/manager.md §4 for a request past its admission (it holds pages, no load, no external
             # stage due): the drain (step 2), the sizing (step 6) and the count (step 9) only.
             if ctx._spec_decoding_state is not None:
@@ -741,6 +749,7 @@ class PagedKVCacheManager:
         req = self._req(op, ctx)
         self._check_len(op, ctx)
         self._check_drafts(op, ctx)
+        self._check_no_rewind(op, req, ctx)
         if req.dummy:
             return self._size_dummy(req)
         if self._loads or self._offloads:
@@ -1607,9 +1616,7 @@ class PagedKVCacheManager:
     def _retain(self, pool, pages, ctx: TextContext) -> None:
         """spec/manager.md §14.2: merge the request's retention claim into its published ``pages``."""
         if self._caching and len(pages):
-            # A slab leaf's view (spec/manager.md §13) keeps its pages' order in its inner pool.
-            target = pool if hasattr(pool, "set_retention") else pool.inner
-            target.set_retention(pages, ctx._retention_priority, expiry_of(ctx._retention_seconds, self._clock))
+            pool.set_retention(pages, ctx._retention_priority, expiry_of(ctx._retention_seconds, self._clock))
 
     def _parent_published(self, req: _Request, i: int) -> bool:
         """spec/manager.md §5.1: block ``i`` may be published, or switched to a twin, only

@@ -643,6 +643,24 @@ class SlabLeafPool:
     hash_to_block = property(lambda self: self.inner.hash_to_block)
     ref_count = property(lambda self: self.inner.ref_count)
 
+    # -- retention (spec/manager.md §14): the inner pool orders the leaf's cached pages
+    @property
+    def clock(self):
+        """The inner pool's clock (``time.monotonic`` unless injected)."""
+        return self.inner.clock
+
+    @clock.setter
+    def clock(self, clock) -> None:
+        self.inner.clock = clock
+
+    def set_retention(self, blocks, priority: int, expiry: float) -> None:
+        """The inner pool's ``set_retention`` (same arguments, checks and errors)."""
+        self.inner.set_retention(blocks, priority, expiry)
+
+    def retention(self, block: int) -> tuple[int, float]:
+        """The inner pool's claim of ``block``."""
+        return self.inner.retention(block)
+
     @property
     def num_free(self) -> int:
         """Pages ``allocate`` can hand out (the leaf's free pages plus parked huge blocks' worth)."""
