@@ -19,6 +19,43 @@ from kvspec.engine import PRISTINE
 from numba import njit
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _ref_one(prev, next_, parked, owner, live, parked_typed, h):
+    """A page of huge block ``h`` referenced again: unlink it if parked, ``live += 1``. Returns 1
+    when it was un-parked, else 0."""
+    was_parked = 0
+    if parked[h]:
+        p = prev[h]
+        n = next_[h]
+        next_[p] = n
+        prev[n] = p
+        prev[h] = -1
+        next_[h] = -1
+        parked[h] = False
+        if owner[h] >= 0:
+            parked_typed[owner[h]] -= 1
+        was_parked = 1
+    live[h] += 1
+    return was_parked
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _unref_one(prev, next_, parked, owner, live, parked_typed, tail, h):
+    """A page of huge block ``h`` went idle: ``live -= 1``; at 0 the block is appended to the parked
+    queue. Returns 1 when it was parked, else 0."""
+    live[h] -= 1
+    if live[h] != 0:
+        return 0
+    p = prev[tail]
+    next_[p] = h
+    prev[h] = p
+    next_[h] = tail
+    prev[tail] = h
+    parked[h] = True
+    parked_typed[owner[h]] += 1
+    return 1
+
+
 @njit(nogil=True, cache=True)
 def _take(prev, next_, parked, owner, live, parked_typed, hs):
     """A page of each huge block of ``hs`` referenced again: unlink it if parked, ``live += 1``.
@@ -26,18 +63,7 @@ def _take(prev, next_, parked, owner, live, parked_typed, hs):
     k = 0
     for i in range(hs.shape[0]):
         h = hs[i]
-        if parked[h]:
-            p = prev[h]
-            n = next_[h]
-            next_[p] = n
-            prev[n] = p
-            prev[h] = -1
-            next_[h] = -1
-            parked[h] = False
-            if owner[h] >= 0:
-                parked_typed[owner[h]] -= 1
-            k += 1
-        live[h] += 1
+        k += _ref_one(prev, next_, parked, owner, live, parked_typed, h)
     return k
 
 
@@ -48,16 +74,7 @@ def _drop(prev, next_, parked, owner, live, parked_typed, tail, hs):
     k = 0
     for i in range(hs.shape[0]):
         h = hs[i]
-        live[h] -= 1
-        if live[h] == 0:
-            p = prev[tail]
-            next_[p] = h
-            prev[h] = p
-            next_[h] = tail
-            prev[tail] = h
-            parked[h] = True
-            parked_typed[owner[h]] += 1
-            k += 1
+        k += _unref_one(prev, next_, parked, owner, live, parked_typed, tail, h)
     return k
 
 
@@ -71,18 +88,7 @@ def _take_pages(prev, next_, parked, owner, live, parked_typed, pages, ratio, re
         if idle_only and ref_count[b] != 0:
             continue
         h = b // ratio
-        if parked[h]:
-            p = prev[h]
-            n = next_[h]
-            next_[p] = n
-            prev[n] = p
-            prev[h] = -1
-            next_[h] = -1
-            parked[h] = False
-            if owner[h] >= 0:
-                parked_typed[owner[h]] -= 1
-            k += 1
-        live[h] += 1
+        k += _ref_one(prev, next_, parked, owner, live, parked_typed, h)
     return k
 
 
@@ -96,16 +102,7 @@ def _drop_idle(prev, next_, parked, owner, live, parked_typed, tail, pages, rati
         if b == 0 or ref_count[b] != 0:
             continue
         h = b // ratio
-        live[h] -= 1
-        if live[h] == 0:
-            p = prev[tail]
-            next_[p] = h
-            prev[h] = p
-            next_[h] = tail
-            prev[tail] = h
-            parked[h] = True
-            parked_typed[owner[h]] += 1
-            k += 1
+        k += _unref_one(prev, next_, parked, owner, live, parked_typed, tail, h)
     return k
 
 
