@@ -286,6 +286,10 @@ class PagedKVCacheManager:
         self._connector = connector
         # spec/manager.md §9.1: the null connector is never called on the hot path.
         self._uses_connector = self._caching and not isinstance(connector, NullConnector)
+        # spec/manager.md §9.2: a connector that counts its finished transfers lets the drain skip
+        # polling in-flight offloads while the count is unchanged (decided once, here).
+        self._completions = getattr(connector, "completed_transfers", None) if self._uses_connector else None
+        self._completions_seen = -1
         # spec/manager.md §1.4: one page store per replica, built by the engine over the final buffers.
         if self._holds_bytes and self._scales_shape:
             # spec/manager.md §16: one payload per page, values then scales, so every tier moves both.
@@ -1756,16 +1760,24 @@ class PagedKVCacheManager:
                 off.handle.synchronize()
             except Exception:  # the drain sees it through is_complete and counts the drop (spec/manager.md §9.2)
                 continue
-        self._drain()
+        self._drain(full=True)
         if all(off in self._offloads for off in waiting):
             raise InsufficientBlocksError(str(wait)) from None
 
-    def _drain(self) -> None:
-        """Land finished loads, unpin finished offloads; never blocks."""
+    def _drain(self, *, full: bool = False) -> None:
+        """Land finished loads, unpin finished offloads; never blocks. ``full``: poll every
+        in-flight offload even when the connector's completion count did not change (after a
+        ``synchronize``, whose waiter may return before the count moves)."""
         errors = []
         for load in list(self._loads) if self._loads else ():
             errors += self._poll_load(load)
-        for off in list(self._offloads):
+        offloads = self._offloads
+        if offloads and self._completions is not None and not full:
+            seen = self._completions()  # read before polling: a later completion changes it
+            if seen == self._completions_seen:
+                offloads = ()  # no handle of the connector became complete since the last poll
+            self._completions_seen = seen
+        for off in list(offloads):
             try:
                 done = off.handle.is_complete()
             except Exception:
@@ -1821,7 +1833,7 @@ class PagedKVCacheManager:
         self._check_open("poll_transfers")
         self._connector.poll_transfers()
         self._post_offloads()
-        self._drain()
+        self._drain(full=True)
 
     def pending_transfers_exist(self, replica_idx: int = 0) -> bool:
         """Whether anything of the replica is pinned by an unfinished transfer.
@@ -1850,7 +1862,7 @@ class PagedKVCacheManager:
             except Exception:
                 pass  # _drain sees the failure through is_complete
         try:
-            self._drain()
+            self._drain(full=True)
         finally:
             self._connector.shutdown()
 

@@ -72,7 +72,10 @@ class KVConnector(Protocol):
     priority, seconds, replica_idx=0)``, a request's retention claim on its
     committed blocks (spec/manager.md §14, spec/tiers.md §3.1: priority
     ``0 .. 100``, ``seconds`` ``None`` or > 0); the manager calls it at
-    ``release`` when the connector has it.
+    ``release`` when the connector has it. ``completed_transfers() -> int``:
+    how many of its transfers have finished (grows by one per load or offload
+    once its handle reports complete); a manager that sees it unchanged skips
+    polling its in-flight offload handles (spec/manager.md §9.2).
     """
 
     name: str
