@@ -18,6 +18,8 @@ import numpy as np
 from kvspec.engine import PRISTINE
 from numba import njit
 
+from ._numba.freelist import insert_before, unlink
+
 
 @njit(nogil=True, cache=True, inline="always")
 def _ref_one(prev, next_, parked, owner, live, parked_typed, h):
@@ -25,12 +27,7 @@ def _ref_one(prev, next_, parked, owner, live, parked_typed, h):
     when it was un-parked, else 0."""
     was_parked = 0
     if parked[h]:
-        p = prev[h]
-        n = next_[h]
-        next_[p] = n
-        prev[n] = p
-        prev[h] = -1
-        next_[h] = -1
+        unlink(prev, next_, h)
         parked[h] = False
         if owner[h] >= 0:
             parked_typed[owner[h]] -= 1
@@ -46,11 +43,7 @@ def _unref_one(prev, next_, parked, owner, live, parked_typed, tail, h):
     live[h] -= 1
     if live[h] != 0:
         return 0
-    p = prev[tail]
-    next_[p] = h
-    prev[h] = p
-    next_[h] = tail
-    prev[tail] = h
+    insert_before(prev, next_, tail, h)
     parked[h] = True
     parked_typed[owner[h]] += 1
     return 1
@@ -112,11 +105,7 @@ def _claim_front(prev, next_, parked, owner, parked_typed, head, leaf, hs, prevs
     into ``prevs``) and type them to ``leaf``; the caller checked that many are parked."""
     for i in range(hs.shape[0]):
         h = next_[head]
-        n = next_[h]
-        next_[head] = n
-        prev[n] = head
-        prev[h] = -1
-        next_[h] = -1
+        unlink(prev, next_, h)
         parked[h] = False
         o = owner[h]
         if o >= 0:

@@ -350,18 +350,28 @@ class CudaSlotEngine(FastSlotEngine):
         row = K.shape[2] * K.shape[3]
         return K.shape[1], K.shape[1] * row, row
 
+    def _device_slots(self, K, slot_mapping):  # pragma: no cover - needs a GPU
+        """``(slot_mapping on the device, None)``, or ``(None, t)`` when nothing may be launched:
+        ``t = -1`` for no tokens, else the first token whose slot is past the storage (one device
+        sync: the kernels must not write past it). Call inside ``cp.cuda.Device(self._dev)``."""
+        cp = self._cp
+        sm = cp.asarray(slot_mapping, cp.int64)
+        if sm.shape[0] == 0:
+            return None, -1
+        rows = K.shape[0] * K.shape[1]
+        if int(sm.max()) >= rows:
+            return None, int(cp.flatnonzero(sm >= rows)[0])
+        return sm, None
+
     def scatter_kv(self, K, V, k, v, slot_mapping) -> int:  # pragma: no cover - needs a GPU
         from ._cuda.append_kv import append_kv as launch
         from ._cuda.convert import rows_contiguous
 
         cp = self._cp
         with cp.cuda.Device(self._dev):
-            sm = cp.asarray(slot_mapping, cp.int64)
-            if sm.shape[0] == 0:
-                return -1
-            rows = K.shape[0] * K.shape[1]
-            if int(sm.max()) >= rows:  # one device sync; the kernel must not write past the storage
-                return int(cp.flatnonzero(sm >= rows)[0])
+            sm, bad = self._device_slots(K, slot_mapping)
+            if bad is not None:
+                return bad
             bs, block_stride, row_stride = self._geometry(K)
             launch(rows_contiguous(k), rows_contiguous(v), K, V, sm, block_size=bs, block_stride=block_stride,
                    row_stride=row_stride)
@@ -423,12 +433,9 @@ class CudaSlotEngine(FastSlotEngine):
 
         cp = self._cp
         with cp.cuda.Device(self._dev):
-            sm = cp.asarray(slot_mapping, cp.int64)
-            if sm.shape[0] == 0:
-                return -1
-            rows = K.shape[0] * K.shape[1]
-            if int(sm.max()) >= rows:  # one device sync; the kernels must not write past the storage
-                return int(cp.flatnonzero(sm >= rows)[0])
+            sm, bad = self._device_slots(K, slot_mapping)
+            if bad is not None:
+                return bad
             bs, block_stride, row_stride = self._geometry(K)
             launch(rows_contiguous(k), rows_contiguous(v), K, V, Ks, Vs, sm, fp8=self.fp8_dtype, block_size=bs,
                    block_stride=block_stride, row_stride=row_stride, unit_tokens=unit)

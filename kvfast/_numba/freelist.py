@@ -71,14 +71,33 @@ def _front(next_, head, lo):
 
 
 @njit(nogil=True, cache=True)
-def _append(prev, next_, head, level, b):
-    """Put ``b`` at the back of ``level`` (just before the next level's sentinel, or TAIL)."""
-    t = head + 2 + level
+def insert_before(prev, next_, t, b):
+    """Link ``b`` into the list just before node ``t`` (a block or a sentinel)."""
     p = prev[t]
     next_[p] = b
     prev[b] = p
     next_[b] = t
     prev[t] = b
+
+
+@njit(nogil=True, cache=True)
+def _append(prev, next_, head, level, b):
+    """Put ``b`` at the back of ``level`` (just before the next level's sentinel, or TAIL)."""
+    insert_before(prev, next_, head + 2 + level, b)
+
+
+@njit(nogil=True, cache=True)
+def _requeue(prev, next_, head, prio, expiry, b, lo, ttl, k):
+    """Append free published ``b`` to the back of its level (the default one without a claim),
+    lowering the bound ``lo``; a finite expiry is recorded in ``ttl[k]``. Returns ``(lo, k)``."""
+    level = DEFAULT_LEVEL if prio[b] < 0 else prio[b]
+    _append(prev, next_, head, level, b)
+    if level < lo:
+        lo = level
+    if expiry[b] != np.inf:
+        ttl[k] = b
+        k += 1
+    return lo, k
 
 
 @njit(nogil=True, cache=True)
@@ -212,13 +231,7 @@ def free_many(prev, next_, ref_count, published, prio, expiry, head, lo, now, bl
                 if expiry[b] <= now:
                     prio[b] = -1
                     expiry[b] = np.inf
-                level = DEFAULT_LEVEL if prio[b] < 0 else prio[b]
-                _append(prev, next_, head, level, b)
-                if level < lo:
-                    lo = level
-                if expiry[b] != np.inf:
-                    ttl[k] = b
-                    k += 1
+                lo, k = _requeue(prev, next_, head, prio, expiry, b, lo, ttl, k)
             else:
                 nn = next_[head]
                 next_[head] = b
@@ -253,13 +266,7 @@ def set_retention(prev, next_, ref_count, published, prio, expiry, head, lo, blo
             if pp >= 0:  # on the list (a revoked block is off it)
                 next_[pp] = nn
                 prev[nn] = pp
-                level = DEFAULT_LEVEL if prio[b] < 0 else prio[b]
-                _append(prev, next_, head, level, b)
-                if level < lo:
-                    lo = level
-                if expiry[b] != np.inf:
-                    ttl[k] = b
-                    k += 1
+                lo, k = _requeue(prev, next_, head, prio, expiry, b, lo, ttl, k)
     return lo, k
 
 
