@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import importlib
 
-import kvref as _kvref
+import kvref as _reference
 from kvspec import *  # noqa: F401,F403  (the shared names, DESIGN §3)
 from kvspec import __all__ as _spec_all
 
 __version__ = "0.1.0"
+
+#: kvref's public names (the tiers and engines both packages share resolve to kvref's objects)
+_REFERENCE_NAMES = frozenset(_reference.__all__)
 
 # KVFAST_CUDA_EMULATE=1 (a test device): the CPU stand-in registers itself as ``cupy``; never chosen otherwise.
 from ._cuda._module import install_emulation_if_requested as _emulate
@@ -41,7 +44,7 @@ _LAZY = {
     "CudaManagerEngine": "._manager_engine",
 }
 
-__all__ = sorted(set(_spec_all) | set(_LAZY) | set(_kvref.__all__) | {"check_invariants"})
+__all__ = sorted(set(_spec_all) | set(_LAZY) | set(_REFERENCE_NAMES) | {"check_invariants"})
 
 
 def check_invariants(obj) -> None:
@@ -53,8 +56,8 @@ def check_invariants(obj) -> None:
 def __getattr__(name):
     mod = _LAZY.get(name)
     if mod is None:
-        if name in _kvref.__all__:  # shared with the reference (tiers)
-            value = getattr(_kvref, name)
+        if name in _REFERENCE_NAMES:  # shared with the reference (tiers)
+            value = getattr(_reference, name)
             globals()[name] = value
             return value
         raise AttributeError(f"module 'kvfast' has no attribute {name!r}")

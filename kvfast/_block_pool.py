@@ -399,6 +399,50 @@ class BlockPool:
             b = int(arr[bad])
             raise AssertionError(f"BlockPool.free: block {b} ref_count={int(self.ref_count[b])}")
 
+    def retain_free(self, blocks: np.ndarray, priority: int, expiry: float) -> None:
+        """``set_retention(blocks, priority, expiry)`` then ``free(blocks)`` in one kernel pass (a
+        request's release: its claim on its pages, then its references, spec/manager.md §14.2, §6).
+
+        Parameters
+        ----------
+        blocks : int64 [n]
+            Pages the caller references once each (a request's row, tail first).
+        priority : int
+            ``0 .. 100``.
+        expiry : float
+            Absolute time on ``clock`` (``math.inf``: none).
+
+        Notes
+        -----
+        The same state as the two calls in sequence (a claim merged into a page the caller
+        still references moves nothing). ``TypeError`` / ``ValueError`` / ``IndexError`` for
+        bad arguments before any change.
+        """
+        priority = _ret.check_priority("BlockPool.retain_free", priority, "priority")
+        expiry = _check_expiry(expiry)
+        if not isinstance(blocks, np.ndarray) or blocks.dtype != np.int64 or blocks.ndim != 1:
+            raise TypeError(f"BlockPool.retain_free: blocks={type(blocks).__name__}, must be an int64 [n] array")
+        if blocks.size == 0:
+            return
+        timed = self._ttl or expiry != _ret.NEVER  # as set_retention: a finite claim starts the clock
+        ttl = np.empty(blocks.size, np.int32) if timed else _EMPTY_I32
+        now = float(self.clock()) if timed else -math.inf
+        bad, freed, lo, k = _fl.retain_free(self._prev, self._next, self.ref_count, self._published,
+                                            self.priority, self.expiry, self._head, self._lo, now,
+                                            blocks, priority, expiry, ttl)
+        if bad <= -2:  # the kernel's range check, before any change
+            b = int(blocks[-2 - bad])
+            raise IndexError(f"BlockPool.retain_free: block {b} out of range 0..{self.num_blocks - 1}")
+        self._lo = lo
+        if expiry != _ret.NEVER:
+            self._ttl = True
+        self._num_free += freed
+        if k:
+            self._push(ttl[:k])
+        if bad >= 0:
+            b = int(blocks[bad])
+            raise AssertionError(f"BlockPool.retain_free: block {b} ref_count={int(self.ref_count[b])}")
+
     def _free_one(self, b: int) -> None:
         """``free([b])`` in Python, the free list's rule (front if unpublished, back if published)."""
         if b == NULL_BLOCK:

@@ -9,16 +9,25 @@ block pool, the SHA-256 chain kernel, one-scatter lookup tables),
 (replicas, sliding and recurrent leaves, tiers, in-flight loads) runs the
 policy on that engine.
 
-One duplication remains, measured and kept on purpose: for the serving
-configuration of the peer benchmark (one full-attention leaf, no connector; any
-number of replicas, each lane working on the request's own replica, the splice
-only with one) ``claim``, ``alloc``, ``step``, ``runtime_inputs`` and ``release``
-have lanes here that do the policy's steps with fewer checks (the decode
-step's allocation, the one-block commit of a decode step, the batch's checks
-and lookup table in a few C-level passes, the tail-first release in one kernel
-call). They give the same results, errors and block ids (the differential
-and lane tests compare them with kvref) and halve that configuration's
-bookkeeping; anything they do not cover falls through to the policy.
+Lanes, measured and kept on purpose: the calls a scheduler makes every step have
+shorter paths here that do the policy's steps with fewer checks and give the
+same results, errors and block ids (the differential and lane tests compare them
+with kvref); anything a lane does not cover goes to the policy. Which lanes exist
+is decided at construction:
+
+* every leaf set, replica count and connector (not speculative decoding, not FP8
+  scales): the growth of a request past its admission (``alloc``: the drain, the
+  sizing of every paged row from one slab, the count), the step that fills no
+  page, checkpoints no state and slides no window (``step``: the count), and the
+  forward's inputs (``runtime_inputs``: the batch's checks and one lookup table
+  per leaf in a few C-level passes);
+* one full-attention leaf besides: the one-block commit of a decode step, the
+  release (claim and free in one kernel pass, ``BlockPool.retain_free``), and,
+  without a connector, ``claim`` and the admission's splice on one replica.
+
+The lanes read one field of the request record, ``settled`` (no load of its
+own, no external stage due, not a dummy row; spec/manager.md §2), instead of
+its five flags.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import numpy as np
 
 import kvref
 from kvspec import hashing
+from kvspec.retention import expiry_of
 from kvspec._config import parse_device
 from kvspec._manager_types import (
     CompletedTransfer,
@@ -90,19 +100,26 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                  device: str = "cpu", connector=None, clock=None):
         super().__init__(params, num_blocks=num_blocks, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                          device=device, connector=connector, clock=clock)
-        # The lanes serve one full leaf on any number of replicas (a replica is an index: each lane
-        # works on the request's own replica), no connector, no speculative decoding (its slack and
-        # rollback, spec/manager.md §15) and no FP8 scales (spec/manager.md §16): decided here, once.
-        self._lane = (
-            len(self._leaves) == 1 and self._leaves[0].kind is LeafKind.FULL
-            and not params.num_draft_tokens and not params.page_scales_shape
-        )
-        # The decode growth and the inputs also serve a connector (they drain and post transfers
-        # as the policy does); claim, step and release only without one.
-        self._fast = self._lane and not self._uses_connector
-        # The splice (the reuse point) of one replica: with peers it takes the policy's cross-replica
-        # hit (spec/manager.md §7.3).
+        # Decided here, once. The decode lanes (the growth of a request past its admission, the
+        # decode step inside a page, the forward's inputs) serve every leaf set, replica count and
+        # connector; not speculative decoding (its slack and rollback, spec/manager.md §15) nor FP8
+        # scales (spec/manager.md §16), which the policy serves on this engine.
+        self._lane = not params.num_draft_tokens and not params.page_scales_shape
+        # One full leaf: the commit of a step, the release and the admission's splice have lanes too.
+        self._single = self._lane and len(self._leaves) == 1 and self._leaves[0].kind is LeafKind.FULL
+        # claim only without a connector; the splice (the reuse point) of one replica only: with peers
+        # it takes the policy's cross-replica hit (spec/manager.md §7.3).
+        self._fast = self._single and not self._uses_connector
         self._fast_splice = self._fast and self._dp == 1
+        self._anchor_id = self._anchor.leaf_id  # every paged row has its length (spec/manager.md §4.6)
+        #: several leaves: the paged leaves in leaf order (the order the policy draws their pages in)
+        self._grow_ids = [] if self._single else list(self._paged_ids)
+        #: recurrent leaves: a state row is complete with a live page and, with caching, a successor
+        self._state_ids = [leaf.leaf_id for leaf in self._leaves if leaf.kind is LeafKind.RECURRENT]
+        self._state_len = 2 if self._caching else 1
+        #: sliding leaves: (leaf id, blocks in the window), for the decode step's no-slide test
+        self._windows = [(leaf.leaf_id, leaf.blocks_in_window) for leaf in self._leaves
+                         if leaf.kind is LeafKind.SLIDING_WINDOW]
         if params.hash_algo == "sha256":
             self._hash1 = _sha256_digest
         else:
@@ -140,29 +157,24 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         transfers, splices the device hit at the reuse point, grows the rows,
         runs the external stage); all or nothing on ``InsufficientBlocksError``.
         """
-        # Decode fast lane: a claimed request already holding pages that cover its next forward,
-        # with no load of its own and no external stage due (spec/manager.md §4: only the drain,
-        # the sizing and the count). The context's slots are read directly
-        # (type(ctx) is exactly TextContext): len(ctx), current_position, active_length.
+        # Decode lane: a claimed request already holding pages that cover its next forward, with no
+        # load of its own and no external stage due (spec/manager.md §4: only the drain, the sizing
+        # and the count). The context's slots are read directly (type(ctx) is exactly TextContext).
         if type(ctx) is TextContext and defer_lookup is False and self._lane and ctx._spec_decoding_state is None:
             req = self._requests.get(ctx.request_id)
-            if req is not None and req.ctx is ctx and not req.dummy and req.load is None and not req.ext_point:
-                row = req.rows[self._conn_leaf]
-                active = ctx._active
-                if row and ctx._length <= self._max_seq_len and ctx._processed >= req.committed * self._page:
+            if req is not None and req.ctx is ctx and req.settled:  # no load, no external stage due
+                row = req.rows[self._anchor_id]
+                page = self._page
+                processed, active = ctx._processed, ctx._active
+                if row and ctx._length <= self._max_seq_len and processed >= req.committed * page and (
+                        not self._state_ids or self._states_complete(req)):
                     if self._loads or self._offloads:
                         self._drain()  # spec/manager.md §9.2: finished transfers land before the sizing
-                    # Not at the reuse point (the row holds pages): only growth, no splice.
-                    short = ctx._processed + active - len(row) * self._page
-                    if short > 0:
-                        need = -(-short // self._page)
-                        pool = self._pools[req.replica][self._conn_leaf]
-                        if need > pool.num_free:
-                            return self._alloc_fast(ctx, defer_lookup)  # raises InsufficientBlocksError
-                        if need == 1:
-                            row.append(pool.allocate_one())
-                        else:
-                            row.extend(pool.allocate(need))
+                    # Not at the reuse point (the row holds pages): only growth, no splice; every
+                    # paged row has the anchor's length (spec/manager.md §4.6).
+                    short = processed + active - len(row) * page
+                    if short > 0 and not self._grow_rows(ctx, req, row, -(-short // page)):
+                        return super().alloc(ctx)  # short of pages: the policy waits for offloads or raises
                     # spec/manager.md §4.9: input_tokens counts each forward's active tokens once.
                     if req.counted_gen == req.step_gen:
                         self._metrics.input_tokens += active - req.counted_active
@@ -172,6 +184,41 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                     req.counted_active = active
                     return _DONE
         return self._alloc_fast(ctx, defer_lookup)
+
+    def _states_complete(self, req) -> bool:
+        """spec/manager.md §4.7: every state row holds its live page and, with caching, a successor."""
+        rows, full = req.rows, self._state_len
+        for lid in self._state_ids:
+            if len(rows[lid]) < full:
+                return False
+        return True
+
+    def _grow_rows(self, ctx: TextContext, req, row: list[int], need: int) -> bool:
+        """Draw ``need`` pages onto every paged row (spec/manager.md §4.6), all or nothing; False
+        (nothing drawn) when the replica cannot serve them."""
+        pools = self._pools[req.replica]
+        if self._single:
+            pool = pools[self._anchor_id]
+            if need > pool.num_free:
+                return False
+            if need == 1:
+                row.append(pool.allocate_one())
+            else:
+                row.extend(pool.allocate(need))
+            return True
+        # spec/manager.md §13.3: the leaves' pages come from one slab, checked together.
+        ids, rows = self._grow_ids, req.rows
+        if self._slabs:
+            if self._slabs[req.replica].shortfall(dict.fromkeys(ids, need), None) is not None:
+                return False
+        elif any(need > pools[lid].num_free for lid in ids):
+            return False
+        for lid in ids:  # leaf order: the order the policy draws in
+            if need == 1:
+                rows[lid].append(pools[lid].allocate_one())
+            else:
+                rows[lid].extend(pools[lid].allocate(need))
+        return True
 
     def _alloc_fast(self, ctx: TextContext, defer_lookup: bool) -> KVTransfer:
         if not self._fast_splice or self._loads or self._offloads:
@@ -242,7 +289,16 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         """Commit what the forward wrote (call after ``ctx.update``); same contract as the reference."""
         if type(ctx) is not TextContext or not self._lane:
             return super().step(ctx)
+        if not self._single:
+            return self._step_leaves(ctx)
         req = self._requests.get(ctx.request_id)
+        if req is not None and req.ctx is ctx and req.settled:
+            # A decode step inside a page (spec/manager.md §5.1: nothing filled since the last
+            # commit, the rows cover it): only the forward is counted.
+            processed = ctx._processed
+            if processed < (req.committed + 1) * self._page and processed <= len(req.rows[self._anchor_id]) * self._page:
+                req.step_gen += 1
+                return
         if req is None or req.ctx is not ctx or req.dummy:
             req = self._req("step", ctx)  # raises, or adopts a replacement context (spec/manager.md §2.3)
             if req.dummy:
@@ -293,6 +349,30 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             toks = np.array(ctx._tokens[lo * page : stop * page], dtype=np.int32).reshape(stop - lo, page)
             self._offload_queue[req.replica].append((hashes[lo:stop], toks))
 
+    def _step_leaves(self, ctx: TextContext) -> None:
+        """``step`` with several leaves: a step that fills no page, checkpoints no state and slides
+        no window only counts the forward (spec/manager.md §5); any other goes to the policy."""
+        req = self._requests.get(ctx.request_id)
+        if req is None or req.ctx is not ctx or req.dummy or req.load is not None:
+            return super().step(ctx)  # raises, adopts a replacement, or a load of its own (spec/manager.md §9.6)
+        page = self._page
+        processed = ctx._processed
+        if processed > len(req.rows[self._anchor_id]) * page:
+            return super().step(ctx)  # raises ValueError
+        filled = processed // page
+        if self._caching:
+            if min(filled, (ctx._length - 1) // page) > req.committed:
+                return super().step(ctx)  # spec/manager.md §5.1: a page filled, publish it
+            if self._state_ids and processed and not processed % page:
+                return super().step(ctx)  # spec/manager.md §5.2: a page boundary, checkpoint the state
+        nulled = req.nulled
+        for lid, window in self._windows:
+            if filled - window > nulled.get(lid, 0):
+                return super().step(ctx)  # spec/manager.md §5.3: blocks left the window, free them
+        req.step_gen += 1
+        if req.ext_point or req.lookup is not None or req.lookup_pending:
+            req.ext_point, req.lookup, req.lookup_pending = False, None, False
+
     def _fill_one(self, req, ctx: TextContext, row: list[int], i: int) -> None:
         """Hash and publish row block ``i`` (a decode step just filled it; blocks before are committed)."""
         page = self._page
@@ -340,20 +420,21 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
 
         ``batches[r]`` is replica r's batch (a replica is an index); the lookup tables share the
         column count of the widest row of all batches, as in the policy."""
-        leaf, page, requests = self._conn_leaf, self._page, self._requests
+        leaf, page, requests = self._anchor_id, self._page, self._requests
         seen = 0
         per = []
         for r, batch in enumerate(batches):
             if type(batch) is not list and type(batch) is not tuple:
                 return None
             n = len(batch)
-            # spec/manager.md §8 (5); (1)-(2) hold (len(batches) == dp, one full leaf)
+            # spec/manager.md §8 (5); (1)-(2) hold (len(batches) == dp, no batch empty)
             if n == 0 or n > self._max_batch_size or self._closed:
                 return None
             for c in batch:
                 if type(c) is not TextContext or c._spec_decoding_state is not None:
                     return None  # the policy checks (and refuses) drafts, spec/manager.md §15
-            # (3): every row claimed on replica r, once, holding the blocks it needs
+            # (3): every row claimed on replica r, once, holding the blocks it needs (every paged
+            # row has the anchor's length; a state row its live page)
             reqs = list(map(requests.get, [c.request_id for c in batch]))
             if not all(reqs) or any(q.replica != r for q in reqs):
                 return None
@@ -363,25 +444,55 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             widths = [-(-e // page) for e in ends]  # num_req_blocks
             if list(map(len, rows)) != widths and not all(map(int.__ge__, map(len, rows), widths)):
                 return None
-            per.append((batch, rows, ends, widths))
+            for lid in self._state_ids:
+                if not all([q.rows[lid] for q in reqs]):
+                    return None
+            per.append((batch, reqs, rows, ends, widths))
         if len({c.request_id for b in batches for c in b}) != seen:
             return None  # a request twice: the policy names it
         if self._uses_connector:
             self._post_offloads()  # spec/manager.md §9.2: queued offloads are posted before the forward
-        need = max([max(p[3]) for p in per])
+        need = max([max(p[4]) for p in per])
         cols = _LUT_ALIGN * (-(-need // _LUT_ALIGN) or 1)
         eng = self._engine
-        return KVCacheInputs(tuple(KVCacheInputsPerDevice(
-            kv_blocks=self._buffers[r][leaf],  # None in bookkeeping-only mode (spec/manager.md §8)
-            lookup_table=eng.to_device(eng.lookup_table(rows, widths, cols)),
-            cache_lengths=eng.to_device(np.array([c._processed for c in batch], dtype=np.uint32)),
-            max_prompt_length=max([c._active for c in batch]),
-            max_cache_length=max(ends),
-        ) for r, (batch, rows, ends, widths) in enumerate(per)))
+        if self._single:
+            return KVCacheInputs(tuple(KVCacheInputsPerDevice(
+                kv_blocks=self._buffers[r][leaf],  # None in bookkeeping-only mode (spec/manager.md §8)
+                lookup_table=eng.to_device(eng.lookup_table(rows, widths, cols)),
+                cache_lengths=eng.to_device(np.array([c._processed for c in batch], dtype=np.uint32)),
+                max_prompt_length=max([c._active for c in batch]),
+                max_cache_length=max(ends),
+            ) for r, (batch, _, rows, ends, widths) in enumerate(per)))
+        out = []
+        states, strides = set(self._state_ids), self._page_strides
+        for r, (batch, reqs, rows, ends, widths) in enumerate(per):
+            lengths = eng.to_device(np.array([c._processed for c in batch], dtype=np.uint32))
+            longest, reach = max([c._active for c in batch]), max(ends)
+            ones = None
+            by_leaf = {}
+            for lid in self._leaf:
+                if lid in states:  # spec/manager.md §8: one column, the live state page
+                    ones = ones or [1] * len(reqs)
+                    lut = eng.lookup_table([q.rows[lid] for q in reqs], ones, _LUT_ALIGN)
+                else:
+                    lut = eng.lookup_table(rows if lid == leaf else [q.rows[lid] for q in reqs], widths, cols)
+                by_leaf[lid] = KVCacheInputsPerDevice(
+                    kv_blocks=self._buffers[r][lid],
+                    lookup_table=eng.to_device(lut),
+                    cache_lengths=lengths,
+                    max_prompt_length=longest,
+                    max_cache_length=reach,
+                    page_stride=None if lid not in strides else eng.to_device(strides[lid]),
+                )
+            out.append(by_leaf)
+        if len(self._leaves) == 1:  # one sliding or recurrent leaf: its inputs, as the policy returns
+            (lid,) = self._leaf
+            return KVCacheInputs(tuple(p[lid] for p in out))
+        return KVCacheInputs(tuple(out))
 
     def release(self, ctx: TextContext | str) -> None:
         """Free the request's pages, tail first, and forget it (same contract as the reference)."""
-        if not self._lane or self._loads:
+        if not self._single or self._loads:
             return super().release(ctx)
         req = self._requests.get(ctx.request_id) if type(ctx) is TextContext else None
         if req is None or req.ctx is not ctx:
@@ -396,8 +507,11 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             # spec/manager.md §6: tail first, so a chain's tail is evicted before its head.
             pages = np.fromiter(reversed(row), np.int64, len(row))
             pool = self._pools[req.replica][self._conn_leaf]
-            self._retain(pool, pages, req.ctx)  # spec/manager.md §14.2
-            pool.free(pages)
+            if self._caching:  # spec/manager.md §14.2: the request's claim on its pages, then its references
+                c = req.ctx
+                pool.retain_free(pages, c._retention_priority, expiry_of(c._retention_seconds, self._clock))
+            else:
+                pool.free(pages)
         if self._uses_connector and req.committed:
             self._tier_touch(req.replica, req.hashes[: req.committed])
             self._tier_retain(req.replica, req.hashes[: req.committed], req.ctx)  # spec/manager.md §14.9
@@ -405,5 +519,5 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
     def shutdown(self) -> None:
         """Post queued offloads, wait for every transfer, close the connector (same contract as the
         reference); the fast lanes close with the manager (spec/manager.md §9.7)."""
-        self._fast = self._fast_splice = self._lane = False
+        self._fast = self._fast_splice = self._lane = self._single = False
         super().shutdown()

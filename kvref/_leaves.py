@@ -1,17 +1,31 @@
-"""Per-leaf rules of the request manager: hit acceptance and sizing (spec/manager.md §3, §4).
+"""Per-leaf rules of the request manager: hits, sizing and commits (spec/manager.md §3, §4, §5).
 
 A leaf is one kind of page with its own pool per replica. Every full and
 sliding-window leaf keeps a row of block ids of equal length (index ``i``
 holds tokens ``[i*page, (i+1)*page)`` in every leaf); a recurrent leaf keeps
 ``[live]`` or ``[live, successor]``.
+
+Each kind is a class (:class:`FullLeaf`, :class:`SlidingWindowLeaf`,
+:class:`RecurrentLeaf`, built by :meth:`Leaf.make`) holding its rules, so the
+policy in ``kvref._manager`` asks the leaf and never branches on its kind.
 """
 
 from __future__ import annotations
 
 import math
-import numpy as np
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+import numpy as np
 from kvspec import LeafKind, LeafSpec
+from kvspec._dtypes import STATE_DTYPES
+from kvspec._manager_types import KVCacheParams
+from kvspec.engine import NULL_BLOCK, BlockPool
+
+from ._runtime_inputs import LUT_ALIGN
+
+if TYPE_CHECKING:
+    from ._request import _AllocPlan, _Load, _Request
 
 
 class Residency:
@@ -103,25 +117,77 @@ class ExtendedResidency:
 
 
 class Leaf:
-    """One leaf's geometry and prefix-hit rule.
+    """One leaf's geometry and rules, the base of the three leaf kinds (spec/manager.md §3.2, §4.6, §5).
+
+    The policy (``kvref._manager``) asks a leaf, never its kind: how many pages it needs to
+    grow, which blocks a hit needs and which hit it accepts, where a hit's pages go, what
+    its buffer and lookup-table column hold. :class:`FullLeaf`, :class:`SlidingWindowLeaf`
+    and :class:`RecurrentLeaf` answer; build one with :meth:`Leaf.make`.
 
     Parameters
     ----------
     leaf_id : str
     spec : LeafSpec
+        Its ``kind`` must be the class's ``KIND``.
     page_size : int
+
+    Attributes
+    ----------
+    KIND : LeafKind
+        The kind of ``LeafSpec`` the class serves.
+    is_recurrent, is_sliding : bool
+        The kind, as class attributes (for readers outside the policy).
+    hit_order : int
+        Where ``joint_hit`` asks the leaf: full leaves first (one batched run), then
+        sliding, then recurrent.
+    binds_rows : bool
+        ``runtime_inputs`` of the leaf needs at least one row (spec/manager.md §8 check 2).
     """
 
     __slots__ = ("leaf_id", "spec", "kind", "page_size", "blocks_in_window")
 
+    KIND: LeafKind
+    is_recurrent: bool = False
+    is_sliding: bool = False
+    hit_order: int = 0
+    binds_rows: bool = False
+
+    def __new__(cls, *args, **kwargs):
+        if "KIND" not in cls.__dict__:
+            raise TypeError(f"{cls.__name__} is the base of the leaf kinds; build a leaf with Leaf.make(leaf_id, "
+                            "spec, page_size)")
+        return super().__new__(cls)
+
     def __init__(self, leaf_id: str, spec: LeafSpec, page_size: int):
+        if spec.kind is not self.KIND:
+            raise ValueError(f"{type(self).__name__}: leaf {leaf_id!r} has kind {spec.kind.value!r}, the class "
+                             f"serves {self.KIND.value!r}; build it with Leaf.make")
         self.leaf_id = leaf_id
         self.spec = spec
         self.kind = spec.kind
         self.page_size = page_size
-        # spec/manager.md §3.2: the query token is inside its own window, so the hit needs
-        # the last window-1 tokens before it: ceil((window-1)/page) blocks.
-        self.blocks_in_window = math.ceil((spec.window - 1) / page_size) if spec.kind is LeafKind.SLIDING_WINDOW else 0
+        self.blocks_in_window = 0
+
+    @staticmethod
+    def make(leaf_id: str, spec: LeafSpec, page_size: int) -> Leaf:
+        """The leaf of ``spec.kind``: a :class:`FullLeaf`, :class:`SlidingWindowLeaf` or :class:`RecurrentLeaf`.
+
+        Parameters
+        ----------
+        leaf_id : str
+        spec : LeafSpec
+        page_size : int
+
+        Returns
+        -------
+        Leaf
+        """
+        return _LEAF_CLASSES[spec.kind](leaf_id, spec, page_size)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.leaf_id!r}, {self.spec!r}, {self.page_size})"
+
+    # ---------------------------------------------------------------- geometry
 
     @property
     def tier_tag(self) -> bytes:
@@ -130,26 +196,24 @@ class Leaf:
         return (f"{self.leaf_id}|{self.kind.value}|{sp.window}|{','.join(map(str, sp.state_shape))}|"
                 f"{sp.state_dtype}").encode()
 
-    def needed_blocks(self, k0: int, k: int) -> list[int]:
-        """Blocks past ``k0`` this leaf must hold for a hit of ``k`` blocks (spec/manager.md §3.2):
-        full ``k0 .. k-1``; sliding the window's part of them; recurrent the checkpoint ``k-1``."""
-        if k <= k0:
-            return []
-        if self.is_recurrent:
-            return [k - 1]
-        return list(range(max(k0, self.window_start(k)), k))
+    def dtype(self, params: KVCacheParams) -> np.dtype:
+        """The dtype of the leaf's buffer: ``params.np_dtype`` for K/V pages, the state dtype for a state."""
+        raise NotImplementedError
 
-    @property
-    def is_recurrent(self) -> bool:
-        return self.kind is LeafKind.RECURRENT
+    def page_shape(self, params: KVCacheParams) -> tuple[int, ...]:
+        """The shape of one page of the leaf's buffer (``params.page_shape``, or ``spec.state_shape``)."""
+        raise NotImplementedError
 
-    @property
-    def is_sliding(self) -> bool:
-        return self.kind is LeafKind.SLIDING_WINDOW
+    def row_bytes(self, params: KVCacheParams) -> int:
+        """Bytes of one row of a page, the last axis (spec/manager.md §13.1: a padded slab page stays a
+        whole number of rows: ``head_dim`` elements, or the state's last axis)."""
+        return self.dtype(params).itemsize * self.page_shape(params)[-1]
 
-    def window_start(self, k: int) -> int:
-        """First row index a sliding leaf still needs when ``k`` blocks are processed."""
-        return max(0, k - self.blocks_in_window) if self.is_sliding else 0
+    def tier_units(self, params: KVCacheParams, unit: int) -> int:
+        """Tier units of ``unit`` bytes one page of the leaf takes (spec/tiers.md §12)."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- sizing
 
     def pages_to_hold(self, max_seq_len: int) -> int:
         """Pages of this leaf one request of ``max_seq_len`` tokens must hold at once (spec/manager.md §1.6).
@@ -158,35 +222,377 @@ class Leaf:
         current one once the slots below it are nulled, ``min(ceil(max_seq_len /
         page_size), biw + 1)`` (a prefill chunked at the window); recurrent: 1.
         """
-        if self.is_recurrent:
-            return 1
-        n = math.ceil(max_seq_len / self.page_size)
-        return min(n, self.blocks_in_window + 1) if self.is_sliding else n
+        raise NotImplementedError
 
-    def best(self, k: int, resident: "Residency") -> int:
-        """The longest hit ``j <= k`` (in blocks) this leaf accepts.
+    def pages_to_admit(self, seq_len: int, caching: bool) -> int:
+        """Pages of this leaf a request of ``seq_len`` tokens draws on an empty pool (spec/manager.md
+        §13.5): :meth:`pages_to_hold`, or a state's live page and, with prefix caching, its successor."""
+        return self.pages_to_hold(seq_len)
+
+    def grow_need(self, have: int, required: int, caching: bool) -> int:
+        """Pages the sizing draws for a row that holds ``have`` pages when the forward needs
+        ``required`` blocks (spec/manager.md §4.6); negative: pages past the need (a paged row
+        of a speculating request, spec/manager.md §15).
+
+        Full/sliding: ``required - have``; recurrent: the live page when the row is empty, and
+        with prefix caching a successor, ``(0 if have else 1) + (1 if caching and have < 2 else 0)``.
+        """
+        return required - have
+
+    def fresh_states(self, row: list[int], drawn: int) -> list[int]:
+        """Pages of ``row`` that start at zero after the sizing drew ``drawn`` pages into it
+        (spec/manager.md §4.7: a fresh live state); none for K/V pages."""
+        return []
+
+    # ---------------------------------------------------------------- hits
+
+    def window_start(self, k: int) -> int:
+        """First row index a sliding leaf still needs when ``k`` blocks are processed (0 for the others)."""
+        return 0
+
+    def needed_blocks(self, k0: int, k: int) -> list[int]:
+        """Blocks past ``k0`` this leaf must hold for a hit of ``k`` blocks (spec/manager.md §3.2):
+        full ``k0 .. k-1``; sliding the window's part of them; recurrent the checkpoint ``k-1``."""
+        raise NotImplementedError
+
+    def best(self, k: int, resident: Residency) -> int:
+        """The longest hit ``j <= k`` (in blocks) this leaf accepts (spec/manager.md §3.2).
 
         ``resident(i)``: the leaf holds a page published under hash ``h_i``
         with block ``i``'s tokens; ``resident.run(k)``: the resident run from the root.
         """
-        if self.kind is LeafKind.FULL:
-            # spec/manager.md §3.2 full: the resident run from the root.
-            return resident.run(k)
-        if self.is_sliding:
-            # spec/manager.md §3.2 sliding: a complete resident window before the stop
-            # (a resident root run when the stop is inside the first window).
-            for j in range(k, 0, -1):
-                if all(resident(i) for i in range(self.window_start(j), j)):
-                    return j
-            return 0
+        raise NotImplementedError
+
+    def hit_pages(self, k: int, resident: Residency) -> list[int]:
+        """The resident pages of :meth:`needed_blocks` ``(0, k)``, in block order (a local hit of ``k``)."""
+        raise NotImplementedError
+
+    def plan_hit(self, plan: _AllocPlan, k: int, pages: list[int | None]) -> None:
+        """Put a hit of ``k`` blocks into ``plan`` (spec/manager.md §4.5): ``pages`` are the pages of
+        :meth:`needed_blocks` ``(0, k)`` in block order, None where a peer copy fills it
+        (spec/manager.md §7.3; ``plan.leaf_peer`` names the source)."""
+        raise NotImplementedError
+
+    def commit_hit(self, req: _Request, plan: _AllocPlan, pool: BlockPool, local: int) -> None:
+        """Take the planned hit: touch its locally held pages below ``local`` and hand the request
+        what :meth:`plan_hit` planned (spec/manager.md §4.5)."""
+        raise NotImplementedError
+
+    def first_state_copy(self, row: list[int], pages: list[int], plan: _AllocPlan,
+                         req: _Request) -> tuple | None:
+        """The copy that fills the first of the sizing's ``pages`` when ``row`` was empty (spec/manager.md
+        §4.7, §7.3): ``("restore", leaf_id, checkpoint or NULL_BLOCK, page)`` or ``("leafpeer", (leaf_id,
+        source replica), source page, page)``; None for K/V pages (the forward writes them)."""
+        return None
+
+    # ---------------------------------------------------------------- tiers
+
+    def load_destinations(self, row: list[int], blocks: list[int]) -> list[int]:
+        """The pages of ``row`` a tier load of ``blocks`` (:meth:`needed_blocks`) lands in
+        (spec/manager.md §9.8)."""
+        raise NotImplementedError
+
+    def land_load(self, pool: BlockPool, row: list[int] | None, load: _Load, pages: list[int],
+                  publish_or_twin: Callable[[BlockPool, int, bytes, np.ndarray], int]) -> None:
+        """A landed tier load's ``pages`` of this leaf join the request (spec/manager.md §9.8); ``row``
+        is the request's row, None when the request is gone."""
+        raise NotImplementedError
+
+    def published_pages(self, pool: BlockPool, hashes: list[bytes], toks: np.ndarray,
+                        flat: np.ndarray) -> list[tuple[int, int]]:
+        """``(j, page)`` of the blocks of one committed run this leaf still publishes, for an offload
+        (spec/manager.md §9.8): each block looked up on its own; ``toks`` int32 ``[n, page]``,
+        ``flat`` the same tokens flat."""
+        return [(j, b) for j, h in enumerate(hashes) if (b := pool.lookup(h, toks[j])) is not None]
+
+    # ---------------------------------------------------------------- runtime inputs
+
+    def row_width(self, blocks: int) -> int:
+        """The row slots a forward of ``blocks`` blocks reads (spec/manager.md §8): ``blocks``, or the
+        live state page."""
+        return blocks
+
+    def table_widths(self, widths: list[int]) -> list[int]:
+        """The lookup-table entries of each row, given the rows' required blocks (spec/manager.md §8):
+        :meth:`row_width` of each."""
+        return widths
+
+    def table_columns(self, columns: int) -> int:
+        """The lookup table's column count, given the paged leaves' ``columns`` (spec/manager.md §8)."""
+        return columns
+
+    def row_shortfall(self, row: list[int], reach: int, what: str) -> str | None:
+        """Why ``row`` cannot serve a forward reaching ``reach`` tokens (``what`` names that length),
+        the tail of ``runtime_inputs``'s message (spec/manager.md §8 check 3); None when it can."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- invariants
+
+    def check_row(self, p: str, rid: str, row: list[int], nulled: dict[str, int]) -> int:
+        """Assert the shape of a live ``row`` (``AssertionError`` prefixed ``p``); returns the first
+        slot that must hold a live page."""
+        raise NotImplementedError
+
+    def committed_blocks(self, lo: int, committed: int) -> range:
+        """The blocks below ``committed`` whose pages the row holds published, from slot ``lo``
+        (spec/manager.md §10.4)."""
+        raise NotImplementedError
+
+
+class _PagedLeaf(Leaf):
+    """A leaf of K/V pages: a row of block ids, index ``i`` holding tokens ``[i*page, (i+1)*page)``."""
+
+    __slots__ = ()
+
+    def dtype(self, params: KVCacheParams) -> np.dtype:
+        return params.np_dtype
+
+    def page_shape(self, params: KVCacheParams) -> tuple[int, ...]:
+        return params.page_shape
+
+    def tier_units(self, params: KVCacheParams, unit: int) -> int:
+        return 1  # a K/V page is the tiers' unit
+
+    def needed_blocks(self, k0: int, k: int) -> list[int]:
+        if k <= k0:
+            return []
+        return list(range(max(k0, self.window_start(k)), k))
+
+    def hit_pages(self, k: int, resident: Residency) -> list[int]:
+        return resident.pages(self.window_start(k), k)
+
+    def plan_hit(self, plan: _AllocPlan, k: int, pages: list[int | None]) -> None:
+        # spec/manager.md §5.3: sliding slots below the window are null
+        lo = self.window_start(k)
+        plan.rows[self.leaf_id], plan.nulled[self.leaf_id] = [NULL_BLOCK] * lo + pages, lo
+
+    def commit_hit(self, req: _Request, plan: _AllocPlan, pool: BlockPool, local: int) -> None:
+        lid = self.leaf_id
+        row, lo = plan.rows[lid], plan.nulled[lid]
+        if local > lo:
+            pool.touch_many(row[lo:local])
+        req.rows[lid], req.nulled[lid] = row, lo
+
+    def load_destinations(self, row: list[int], blocks: list[int]) -> list[int]:
+        return [row[i] for i in blocks]
+
+    def land_load(self, pool: BlockPool, row: list[int] | None, load: _Load, pages: list[int],
+                  publish_or_twin: Callable[[BlockPool, int, bytes, np.ndarray], int]) -> None:
+        # published in block order (twin dedup); the chain stops at a collision
+        for i, b in zip(load.leaf_blocks[self.leaf_id], pages):
+            h, toks = load.hashes[i - load.start], load.tokens[i - load.start]
+            if row is not None and row[i] == b:
+                kept = row[i] = publish_or_twin(pool, b, h, toks)
+            else:
+                kept = pool.publish(b, h, toks)
+            if pool.block_hash[kept] != h:
+                break
+
+    def row_shortfall(self, row: list[int], reach: int, what: str) -> str | None:
+        if len(row) * self.page_size >= reach:
+            return None
+        return (f"holds {len(row)} blocks of leaf {self.leaf_id!r} ({len(row) * self.page_size} tokens) < "
+                f"{what}={reach}; it does not have sufficient blocks, alloc must be called first")
+
+    def _first_live_slot(self, nulled: dict[str, int]) -> int:
+        return 0
+
+    def check_row(self, p: str, rid: str, row: list[int], nulled: dict[str, int]) -> int:
+        lid, lo = self.leaf_id, self._first_live_slot(nulled)
+        assert all(b == NULL_BLOCK for b in row[:lo]), f"{p}: request {rid!r} leaf {lid!r} live page below window"
+        assert NULL_BLOCK not in row[lo:], (
+            f"{p}: request {rid!r} leaf {lid!r} row {row} holds block 0 at or above slot {lo}")
+        return lo
+
+    def committed_blocks(self, lo: int, committed: int) -> range:
+        # spec/manager.md §10.4: a sliding leaf's slots below the window of the committed length
+        # (a load moved the window past them; the next step frees them) are not checked.
+        return range(max(lo, self.window_start(committed)), committed)
+
+
+class FullLeaf(_PagedLeaf):
+    """A full-attention leaf: every page of the context, a hit is the resident run from the root.
+
+    Parameters
+    ----------
+    leaf_id : str
+    spec : LeafSpec
+        ``LeafSpec.full()``.
+    page_size : int
+    """
+
+    __slots__ = ()
+    KIND = LeafKind.FULL
+
+    def pages_to_hold(self, max_seq_len: int) -> int:
+        return math.ceil(max_seq_len / self.page_size)
+
+    def best(self, k: int, resident: Residency) -> int:
+        # spec/manager.md §3.2 full: the resident run from the root.
+        return resident.run(k)
+
+    def published_pages(self, pool: BlockPool, hashes: list[bytes], toks: np.ndarray,
+                        flat: np.ndarray) -> list[tuple[int, int]]:
+        """The run up to the first evicted hash (one batched lookup; spec/manager.md §9.8)."""
+        return list(enumerate(pool.lookup_run(hashes, flat)))
+
+
+class SlidingWindowLeaf(_PagedLeaf):
+    """A sliding-window leaf: only the last ``window`` tokens are read; the slots below the window
+    are freed and nulled in place (spec/manager.md §5.3).
+
+    Parameters
+    ----------
+    leaf_id : str
+    spec : LeafSpec
+        ``LeafSpec.sliding_window(window)``.
+    page_size : int
+    """
+
+    __slots__ = ()
+    KIND = LeafKind.SLIDING_WINDOW
+    is_sliding = True
+    hit_order = 1
+
+    def __init__(self, leaf_id: str, spec: LeafSpec, page_size: int):
+        super().__init__(leaf_id, spec, page_size)
+        # spec/manager.md §3.2: the query token is inside its own window, so the hit needs
+        # the last window-1 tokens before it: ceil((window-1)/page) blocks.
+        self.blocks_in_window = math.ceil((spec.window - 1) / page_size)
+
+    def window_start(self, k: int) -> int:
+        return max(0, k - self.blocks_in_window)
+
+    def pages_to_hold(self, max_seq_len: int) -> int:
+        return min(math.ceil(max_seq_len / self.page_size), self.blocks_in_window + 1)
+
+    def best(self, k: int, resident: Residency) -> int:
+        # spec/manager.md §3.2 sliding: a complete resident window before the stop
+        # (a resident root run when the stop is inside the first window).
+        for j in range(k, 0, -1):
+            if all(resident(i) for i in range(self.window_start(j), j)):
+                return j
+        return 0
+
+    def _first_live_slot(self, nulled: dict[str, int]) -> int:
+        return nulled.get(self.leaf_id, 0)
+
+
+class RecurrentLeaf(Leaf):
+    """A recurrent (state-space) leaf: a row ``[live]`` or ``[live, successor]`` of state pages; a
+    checkpoint is published at each page boundary (spec/manager.md §5.2).
+
+    Parameters
+    ----------
+    leaf_id : str
+    spec : LeafSpec
+        ``LeafSpec.recurrent(state_shape, state_dtype)``.
+    page_size : int
+    """
+
+    __slots__ = ()
+    KIND = LeafKind.RECURRENT
+    is_recurrent = True
+    hit_order = 2
+    binds_rows = True
+
+    def dtype(self, params: KVCacheParams) -> np.dtype:
+        return STATE_DTYPES[self.spec.state_dtype]
+
+    def page_shape(self, params: KVCacheParams) -> tuple[int, ...]:
+        return tuple(self.spec.state_shape)
+
+    def tier_units(self, params: KVCacheParams, unit: int) -> int:
+        return -(-params.page_bytes(self.leaf_id) // unit)
+
+    def pages_to_hold(self, max_seq_len: int) -> int:
+        return 1
+
+    def pages_to_admit(self, seq_len: int, caching: bool) -> int:
+        return 2 if caching else 1
+
+    def grow_need(self, have: int, required: int, caching: bool) -> int:
+        return (0 if have else 1) + (1 if caching and have < 2 else 0)
+
+    def fresh_states(self, row: list[int], drawn: int) -> list[int]:
+        return [row[0]] if len(row) == drawn else []
+
+    def needed_blocks(self, k0: int, k: int) -> list[int]:
+        return [k - 1] if k > k0 else []
+
+    def best(self, k: int, resident: Residency) -> int:
         # spec/manager.md §3.2 recurrent: the deepest boundary holding a state checkpoint.
         for j in range(k, 0, -1):
             if resident(j - 1):
                 return j
         return 0
 
+    def hit_pages(self, k: int, resident: Residency) -> list[int]:
+        return [resident.page(k - 1)] if k else []
 
-def joint_hit(leaves: list[Leaf], cap: int, resident: dict[str, "Residency"]) -> int:
+    def plan_hit(self, plan: _AllocPlan, k: int, pages: list[int | None]) -> None:
+        # spec/manager.md §4.5: the checkpoint, copied into the new live page (or a peer's, spec/manager.md §7.3)
+        if not k:
+            return
+        lid = self.leaf_id
+        if pages[-1] is None:
+            plan.restore_peer[lid] = plan.leaf_peer.pop((lid, k - 1))
+        else:
+            plan.restore[lid] = pages[-1]
+
+    def commit_hit(self, req: _Request, plan: _AllocPlan, pool: BlockPool, local: int) -> None:
+        c = plan.restore.get(self.leaf_id)
+        if c is not None:
+            pool.touch(c)
+            req.restore[self.leaf_id] = c
+
+    def first_state_copy(self, row: list[int], pages: list[int], plan: _AllocPlan,
+                         req: _Request) -> tuple | None:
+        if row:
+            return None
+        lid = self.leaf_id
+        if lid in plan.restore_peer:  # spec/manager.md §7.3: a peer's checkpoint into the new live page
+            src_r, src = plan.restore_peer[lid]
+            return ("leafpeer", (lid, src_r), src, pages[0])
+        src = req.restore.get(lid)
+        return ("restore", lid, src if src is not None else NULL_BLOCK, pages[0])
+
+    def load_destinations(self, row: list[int], blocks: list[int]) -> list[int]:
+        # the successor page receives the checkpoint (the live page keeps the device state)
+        return [row[1]]
+
+    def land_load(self, pool: BlockPool, row: list[int] | None, load: _Load, pages: list[int],
+                  publish_or_twin: Callable[[BlockPool, int, bytes, np.ndarray], int]) -> None:
+        # the checkpoint loaded into the successor becomes the live state
+        if row is not None and len(row) == 2 and row[1] == pages[0]:
+            row.reverse()  # [loaded state, old live page as the next successor]
+
+    def row_width(self, blocks: int) -> int:
+        return 1
+
+    def table_widths(self, widths: list[int]) -> list[int]:
+        return [1] * len(widths)  # spec/manager.md §8: one column, the live state page
+
+    def table_columns(self, columns: int) -> int:
+        return LUT_ALIGN
+
+    def row_shortfall(self, row: list[int], reach: int, what: str) -> str | None:
+        if row:
+            return None
+        return f"holds no state page of leaf {self.leaf_id!r}; alloc must be called first"
+
+    def check_row(self, p: str, rid: str, row: list[int], nulled: dict[str, int]) -> int:
+        assert len(row) <= 2 and NULL_BLOCK not in row, f"{p}: request {rid!r} state row {row}"
+        return 0
+
+    def committed_blocks(self, lo: int, committed: int) -> range:
+        return range(0)  # a state row is not indexed by block
+
+
+_LEAF_CLASSES: dict[LeafKind, type[Leaf]] = {cls.KIND: cls for cls in (FullLeaf, SlidingWindowLeaf, RecurrentLeaf)}
+
+
+def joint_hit(leaves: list[Leaf], cap: int, resident: dict[str, Residency]) -> int:
     """The fixed point of the leaves' rules: the longest hit ``<= cap`` every leaf accepts.
 
     spec/manager.md §3.2: not the minimum of the per-leaf hits; narrowing one leaf can
@@ -195,7 +601,7 @@ def joint_hit(leaves: list[Leaf], cap: int, resident: dict[str, "Residency"]) ->
     reaches the same fixed point (the longest length every leaf accepts) with fewer
     residency questions, each a tier lookup in spec/manager.md §9.8.
     """
-    order = sorted(leaves, key=lambda leaf: (leaf.kind is not LeafKind.FULL, leaf.is_recurrent))
+    order = sorted(leaves, key=lambda leaf: leaf.hit_order)
     k = cap
     while True:
         k2 = k

@@ -19,7 +19,6 @@ import numpy as np
 from kvspec import hashing
 from kvspec._config import check_int, parse_device
 from kvspec._connector import KVConnector, NullConnector, leaf_block_key
-from kvspec._dtypes import STATE_DTYPES
 from kvspec._manager_types import (
     BlockCount,
     ByteCount,
@@ -44,7 +43,7 @@ from ._leaves import ExtendedResidency, Leaf, Residency, joint_hit
 from ._manager_engine import ReferenceManagerEngine
 from ._request import _AllocPlan, _Load, _Offload, _Request
 from ._slab import Slab, SlabGeometry, plan_slab_geometry
-from ._runtime_inputs import LUT_ALIGN, lut_columns
+from ._runtime_inputs import lut_columns
 
 __all__ = ["PagedKVCacheManager"]
 
@@ -81,12 +80,7 @@ def _is_int(x) -> bool:
 def _slab_geometry(params: KVCacheParams, leaves: list[Leaf]) -> SlabGeometry:
     """spec/manager.md §13.1: the huge block of a multi-leaf manager from its leaves' page bytes; a
     padded page stays a whole number of rows (``head_dim`` elements, or the state's last axis)."""
-    rows = {}
-    for leaf in leaves:
-        if leaf.is_recurrent:
-            rows[leaf.leaf_id] = STATE_DTYPES[leaf.spec.state_dtype].itemsize * leaf.spec.state_shape[-1]
-        else:
-            rows[leaf.leaf_id] = params.np_dtype.itemsize * params.head_dim
+    rows = {leaf.leaf_id: leaf.row_bytes(params) for leaf in leaves}
     return plan_slab_geometry({leaf.leaf_id: params.page_bytes(leaf.leaf_id) for leaf in leaves}, rows)
 
 
@@ -164,8 +158,12 @@ class PagedKVCacheManager:
         max_batch_size = check_int(o, "max_batch_size", max_batch_size, low=1, high=MAX_INT_ARG)
         max_seq_len = check_int(o, "max_seq_len", max_seq_len, low=1, high=MAX_INT_ARG)
         engine = type(self).make_engine(params, device)  # spec/manager.md §12: the mechanisms, chosen once
-        leaves = [Leaf(lid, spec, params.page_size) for lid, spec in params.leaves().items()]
-        if any(leaf.is_recurrent for leaf in leaves) and params.enable_prefix_caching and num_blocks < 3:
+        leaves = [Leaf.make(lid, spec, params.page_size) for lid, spec in params.leaves().items()]
+        # The policy's only kind tests: membership lists, built once (every rule is a method of the
+        # leaf's class, kvref/_leaves.py; spec/manager.md §3.2).
+        full_leaves = [leaf for leaf in leaves if leaf.kind is LeafKind.FULL]  # twin-dedup anchor, tier keys
+        recurrent_leaves = [leaf for leaf in leaves if leaf.is_recurrent]  # checkpoints in step
+        if recurrent_leaves and params.enable_prefix_caching and num_blocks < 3:
             raise ValueError(f"{o}: num_blocks={num_blocks}, must be >= 3 with a recurrent leaf (live + successor)")
         # spec/manager.md §13.1: several leaves share one slab of huge blocks, each leaf cut at its ratio.
         geometry = _slab_geometry(params, leaves) if len(leaves) > 1 else None
@@ -201,23 +199,23 @@ class PagedKVCacheManager:
         self._caching = params.enable_prefix_caching
         self._leaves = leaves
         self._leaf = {leaf.leaf_id: leaf for leaf in leaves}
-        self._paged_leaves = [leaf for leaf in leaves if not leaf.is_recurrent]
+        self._paged_leaves = [leaf for leaf in leaves if not leaf.is_recurrent]  # rows of block ids
         self._salted_roots: OrderedDict[bytes, bytes] = OrderedDict()  # bounded LRU (spec/manager.md §3.1)
         self._closed = False  # set by shutdown (spec/manager.md §9.7)
         # One full leaf: tier keys are the block hashes and the device pages are the tiers' pages. Several
         # leaves (or one non-full leaf): spec/manager.md §9.8 and spec/tiers.md §12 (per-leaf keys, units).
-        self._simple = len(leaves) == 1 and leaves[0].kind is LeafKind.FULL
+        self._simple = len(leaves) == 1 and bool(full_leaves)
         self._conn_leaf = self._paged_leaves[0].leaf_id
         # The leaf whose rows carry the chain for twin dedup (spec/manager.md §5.1): a full leaf if any.
-        self._anchor = next((leaf for leaf in self._paged_leaves if leaf.kind is LeafKind.FULL), self._paged_leaves[0])
+        self._anchor = full_leaves[0] if full_leaves else self._paged_leaves[0]
         self._commit_order = [self._anchor] + [leaf for leaf in self._paged_leaves if leaf is not self._anchor]
-        self._sliding_leaves = [leaf for leaf in leaves if leaf.is_sliding]
+        self._sliding_leaves = [leaf for leaf in leaves if leaf.is_sliding]  # slid in step
         self._paged_ids = [leaf.leaf_id for leaf in self._paged_leaves]
-        self._recurrent_leaves = [leaf for leaf in leaves if leaf.is_recurrent]
+        self._recurrent_leaves = recurrent_leaves
         # spec/tiers.md §12: the connector leaf first, then the others in declaration order; a full
         # anchor leaf keys its pages by the block hash itself, every other leaf by leaf_block_key.
         self._unit_order = [self._leaf[self._conn_leaf]] + [lf for lf in leaves if lf.leaf_id != self._conn_leaf]
-        self._plain_leaf = self._anchor.leaf_id if self._anchor.kind is LeafKind.FULL else None
+        self._plain_leaf = self._anchor.leaf_id if full_leaves else None
         self._units: dict[str, int] = {}
         self._unit_base: dict[str, int] = {}
         # spec/manager.md §15 (speculative decoding), decided once: MAX's slack terms.
@@ -324,9 +322,7 @@ class PagedKVCacheManager:
         return ReferenceManagerEngine()
 
     def _leaf_shape(self, leaf: Leaf) -> tuple[int, ...]:
-        if leaf.is_recurrent:
-            return (self._leaf_pages(leaf), *leaf.spec.state_shape)
-        return (self._leaf_pages(leaf), *self._params.page_shape)
+        return (self._leaf_pages(leaf), *leaf.page_shape(self._params))
 
     def _leaf_pages(self, leaf: Leaf) -> int:
         """Page ids of ``leaf`` per replica: ``num_blocks * ratio`` (``num_blocks`` without a slab)."""
@@ -359,7 +355,7 @@ class PagedKVCacheManager:
                                       self._leaf_shape(leaf), self._leaf_dtype(leaf))
 
     def _leaf_dtype(self, leaf: Leaf):
-        return STATE_DTYPES[leaf.spec.state_dtype] if leaf.is_recurrent else self._params.np_dtype
+        return leaf.dtype(self._params)
 
     # ================================================================== properties
 
@@ -380,7 +376,7 @@ class PagedKVCacheManager:
 
         spec/manager.md §2.4: chunks then end at page boundaries so state checkpoints publish.
         """
-        if self._caching and any(leaf.is_recurrent for leaf in self._leaves):
+        if self._caching and self._recurrent_leaves:
             return self._page
         return 0
 
@@ -392,11 +388,10 @@ class PagedKVCacheManager:
         §13.5), the longest one whose pages of every leaf fit the huge blocks together."""
         if not self._slabs:
             return max(0, min(self._max_seq_len, (self._num_blocks - 1) * self._page - self._slack))
-        state = 2 if self._caching else 1  # a recurrent leaf's live page and successor
 
         def fits(n: int) -> bool:  # one request of n tokens on an empty slab (the pages spec/manager.md §1.6 counts)
-            return sum(-(-(state if leaf.is_recurrent else leaf.pages_to_hold(n + self._slack))
-                         // self._ratios[leaf.leaf_id]) for leaf in self._leaves) <= self._num_blocks - 1
+            return sum(-(-leaf.pages_to_admit(n + self._slack, self._caching) // self._ratios[leaf.leaf_id])
+                       for leaf in self._leaves) <= self._num_blocks - 1
 
         lo, hi = 0, self._max_seq_len
         while lo < hi:
@@ -572,39 +567,33 @@ class PagedKVCacheManager:
         taken locally when held, else copied from a peer into a page the sizing draws (full/sliding:
         published locally; recurrent: the peer's checkpoint into the new live page). All or nothing:
         when the copies and the growth do not fit, the local hit ``local`` stands. Returns the hit."""
-        rows, nulled, taken = {}, {}, {}
-        peer, restore, restore_peer = {}, {}, {}
+        staged, taken = _AllocPlan(), {}  # the peer part, staged: it joins plan only when it fits
         for leaf in self._leaves:
             lid = leaf.leaf_id
             taken[lid] = set()
-            got = {}
+            got = []
             for i in leaf.needed_blocks(0, reach):
                 b = resident[lid].page(i)
                 if b is None:
                     src = self._peer_source(r, hashes[i], self._block_tokens(tokens, i), lid)
                     if src is None:  # the residency said local or peer: nothing else can answer
                         return local
-                    peer[(lid, i)] = src
+                    staged.leaf_peer[(lid, i)] = src
                 else:
                     taken[lid].add(b)
-                got[i] = b
-            if leaf.is_recurrent:
-                i = reach - 1
-                if got[i] is None:
-                    restore_peer[lid] = peer.pop((lid, i))
-                else:
-                    restore[lid] = got[i]
-                continue
-            lo = leaf.window_start(reach)
-            rows[lid], nulled[lid] = [NULL_BLOCK] * lo + [got[i] for i in range(lo, reach)], lo
+                got.append(b)
+            leaf.plan_hit(staged, reach, got)
         required = self._required_blocks(ctx)
-        demand = {leaf.leaf_id: (1 + (1 if self._caching else 0)) if leaf.is_recurrent
-                  else max(required - reach, 0) + rows[leaf.leaf_id].count(None) for leaf in self._leaves}
+        # spec/manager.md §4.6 on the staged rows: a slot a peer copy fills (None) is drawn by the sizing;
+        # a leaf without a staged row (a recurrent state) holds nothing yet
+        held = {lid: len(row) - row.count(None) for lid, row in staged.rows.items()}
+        demand = {leaf.leaf_id: max(leaf.grow_need(held.get(leaf.leaf_id, 0), required, self._caching), 0)
+                  for leaf in self._leaves}
         if not self._fits(r, demand, taken):
             return local  # best effort: the copies need free pages
-        plan.rows.update(rows)
-        plan.nulled.update(nulled)
-        plan.restore, plan.leaf_peer, plan.restore_peer = restore, peer, restore_peer
+        plan.rows.update(staged.rows)
+        plan.nulled.update(staged.nulled)
+        plan.restore, plan.leaf_peer, plan.restore_peer = staged.restore, staged.leaf_peer, staged.restore_peer
         touched.clear()
         touched.update(taken)
         return reach
@@ -784,17 +773,14 @@ class PagedKVCacheManager:
         need = []
         for leaf in self._leaves:
             row = req.rows[leaf.leaf_id]
-            if leaf.is_recurrent:
-                n = (0 if row else 1) + (1 if self._caching and len(row) < 2 else 0)
-            else:
-                n = required - len(row)
+            n = leaf.grow_need(len(row), required, self._caching)
             if n > 0:
                 if not self._slabs:  # a slab's leaves are checked jointly, below
                     free = pools[leaf.leaf_id].num_free
                     if n > free:
                         self._raise_short(ctx, req.replica, leaf.leaf_id, n, free)
                 need.append((leaf, row, n))
-            elif n < 0 and self._drafts and not leaf.is_recurrent:
+            elif n < 0 and self._drafts:  # (only a paged row can be past its need)
                 need.append((leaf, row, n))  # spec/manager.md §15: drafts past the need roll back
         if self._slabs and need:  # nothing to draw (a decode step inside a page): nothing to check
             self._check_slab(ctx, req.replica, {leaf.leaf_id: n for leaf, _, n in need if n > 0}, None)
@@ -807,8 +793,9 @@ class PagedKVCacheManager:
                 row.append(pool.allocate_one())
             else:
                 row.extend(pool.allocate(n))
-            if leaf.is_recurrent and len(row) == n:  # spec/manager.md §4.7: a fresh live state starts at zero
-                self._run_copies(req, [("restore", leaf.leaf_id, NULL_BLOCK, row[0])])
+            fresh = leaf.fresh_states(row, n)
+            if fresh:  # spec/manager.md §4.7: a fresh live state starts at zero
+                self._run_copies(req, [("restore", leaf.leaf_id, NULL_BLOCK, b) for b in fresh])
         m, active = self._metrics, ctx.active_length
         if req.counted_gen == req.step_gen:  # spec/manager.md §4.9: input_tokens counts each forward once
             m.input_tokens += active - req.counted_active
@@ -869,18 +856,10 @@ class PagedKVCacheManager:
             resident = self._resident(r, hashes, tokens)
             local, reach = self._device_hit(r, hashes, tokens, cap, resident)
             k = local
-            for leaf in self._leaves:
-                lid = leaf.leaf_id
-                if leaf.is_recurrent:
-                    if k:  # spec/manager.md §4.5: the checkpoint, copied into the new live page
-                        c = resident[lid].page(k - 1)
-                        plan.restore[lid] = c
-                        touched[lid].add(c)
-                    continue
-                lo = leaf.window_start(k)  # spec/manager.md §5.3: sliding slots below the window are null
-                row = [NULL_BLOCK] * lo + resident[lid].pages(lo, k)
-                plan.rows[lid], plan.nulled[lid] = row, lo
-                touched[lid].update(row[lo:])
+            for leaf in self._leaves:  # spec/manager.md §4.5: each leaf's part of the hit
+                pages = leaf.hit_pages(k, resident[leaf.leaf_id])
+                leaf.plan_hit(plan, k, pages)
+                touched[leaf.leaf_id].update(pages)
             if reach > local and not self._simple:
                 k = self._plan_peer_leaves(ctx, r, plan, touched, resident, hashes, tokens, local, reach)
             elif reach > local:
@@ -920,10 +899,7 @@ class PagedKVCacheManager:
             lid, pool = leaf.leaf_id, pools[leaf.leaf_id]
             # (a row slot a peer copy fills is None until the sizing draws its page, spec/manager.md §7.3)
             have = len(plan.rows[lid]) - plan.rows[lid].count(None) if lid in plan.rows else len(req.rows[lid])
-            if leaf.is_recurrent:
-                n = (0 if have else 1) + (1 if self._caching and have < 2 else 0)
-            else:
-                n = max(required - have, 0)
+            n = max(leaf.grow_need(have, required, self._caching), 0)
             if not self._slabs:  # a slab's leaves are checked jointly, below
                 free = pool.num_free
                 if touched.get(lid):
@@ -990,17 +966,7 @@ class PagedKVCacheManager:
         if plan.splice:
             k, local, hashes = plan.k, plan.local, plan.hashes
             for leaf in self._leaves:
-                lid, pool = leaf.leaf_id, pools[leaf.leaf_id]
-                if leaf.is_recurrent:
-                    c = plan.restore.get(lid)
-                    if c is not None:
-                        pool.touch(c)
-                        req.restore[lid] = c
-                    continue
-                row = plan.rows[lid]
-                if local > plan.nulled[lid]:
-                    pool.touch_many(row[plan.nulled[lid] : local])
-                req.rows[lid], req.nulled[lid] = row, plan.nulled[lid]
+                leaf.commit_hit(req, plan, pools[leaf.leaf_id], local)
             for leaf in (self._paged_leaves if plan.leaf_peer or not self._simple else ()):
                 # spec/manager.md §7.3 with several leaves: blocks past the local hit held locally
                 # are taken; the slots a peer copy fills (None) get the sizing's first pages below.
@@ -1041,15 +1007,12 @@ class PagedKVCacheManager:
             pages = [pools[leaf.leaf_id].allocate_one()] if n == 1 else pools[leaf.leaf_id].allocate(n)
             if plan.leaf_peer:
                 pages = self._fill_peer_slots(req, ctx, leaf, row, pages, plan, copies)
-            if leaf.is_recurrent and not row and leaf.leaf_id in plan.restore_peer:
-                # spec/manager.md §7.3: a peer's checkpoint into the new live page
-                src_r, src = plan.restore_peer[leaf.leaf_id]
-                copies.append(("leafpeer", (leaf.leaf_id, src_r), src, pages[0]))
-                m.cross_replica_blocks_copied += 1
-                m.cross_replica_bytes_copied += self._params.page_bytes(leaf.leaf_id)
-            elif leaf.is_recurrent and not row:
-                src = req.restore.get(leaf.leaf_id)
-                copies.append(("restore", leaf.leaf_id, src if src is not None else NULL_BLOCK, pages[0]))
+            copy = leaf.first_state_copy(row, pages, plan, req)  # spec/manager.md §4.7: a new live state
+            if copy is not None:
+                copies.append(copy)
+                if copy[0] == "leafpeer":  # spec/manager.md §7.3: a peer's checkpoint into the new live page
+                    m.cross_replica_blocks_copied += 1
+                    m.cross_replica_bytes_copied += self._params.page_bytes(leaf.leaf_id)
             row.extend(pages)
         self._run_copies(req, copies)
         device_hit = req.committed
@@ -1079,9 +1042,8 @@ class PagedKVCacheManager:
 
     def _fill_peer_slots(self, req, ctx, leaf, row, pages, plan, copies) -> list[int]:
         """spec/manager.md §7.3 with several leaves: the sizing's first pages fill the row slots peer
-        copies take (block order), each published locally and copied; returns the rest."""
-        if leaf.is_recurrent:
-            return pages
+        copies take (block order), each published locally and copied; returns the rest (all of them
+        for a row without such slots, e.g. a recurrent leaf's)."""
         lid, pool, m = leaf.leaf_id, self._pools[req.replica][leaf.leaf_id], self._metrics
         holes = [i for i, b in enumerate(row) if b is None]
         for i, b in zip(holes, pages):
@@ -1121,7 +1083,7 @@ class PagedKVCacheManager:
         n = self._required_blocks(req.ctx)
         for leaf in self._leaves:
             row = req.rows[leaf.leaf_id]
-            want = 1 if leaf.is_recurrent else n
+            want = leaf.row_width(n)  # what runtime_inputs reads of the row
             if len(row) < want:
                 row.extend([NULL_BLOCK] * (want - len(row)))
         return CompletedTransfer()
@@ -1247,15 +1209,14 @@ class PagedKVCacheManager:
                 per = [stores[r]]
                 for leaf in order[1:]:
                     values = self._page_store(r, leaf.leaf_id)
-                    scales = self._scales[r].get(leaf.leaf_id) if not leaf.is_recurrent else None
+                    scales = self._scales[r].get(leaf.leaf_id)  # paged leaves only
                     per.append(ScaledPageStore(values, self._engine.page_store(scales))
                                if scales is not None else values)
                 out.append(LeafUnitStore(per))
             units, bases = out[0].units, out[0].bases
         else:
             unit = stores[0].page_nbytes
-            units = [1] + [-(-self._params.page_bytes(leaf.leaf_id) // unit) if leaf.is_recurrent else 1
-                           for leaf in order[1:]]
+            units = [1] + [leaf.tier_units(self._params, unit) for leaf in order[1:]]
             bases = [0]
             for leaf, u in zip(order, units):
                 bases.append(bases[-1] + self._leaf_pages(leaf) * u)
@@ -1347,8 +1308,7 @@ class PagedKVCacheManager:
             lid = leaf.leaf_id
             blocks = leaf.needed_blocks(k, k2)
             row = plan.rows[lid] if lid in plan.rows else req.rows[lid]  # sized: every page is the request's
-            # recurrent: the successor page receives the checkpoint (the live page keeps the device state)
-            dest = [row[1]] if leaf.is_recurrent else [row[i] for i in blocks]
+            dest = leaf.load_destinations(row, blocks)
             leaf_pages[lid], leaf_blocks[lid] = dest, blocks
             items += [(lid, i, b) for i, b in zip(blocks, dest)]
         toks = np.array(ctx.tokens[k * page : k2 * page], dtype=np.int32).reshape(k2 - k, page)
@@ -1388,19 +1348,7 @@ class PagedKVCacheManager:
         req = self._requests.get(load.request_id) if load.request_id is not None else None
         for lid, pages in load.leaf_pages.items():
             leaf, pool = self._leaf[lid], self._pools[load.replica][lid]
-            row = req.rows[lid] if req is not None else None
-            if leaf.is_recurrent:
-                if row is not None and len(row) == 2 and row[1] == pages[0]:
-                    row.reverse()  # [loaded state, old live page as the next successor]
-                continue
-            for i, b in zip(load.leaf_blocks[lid], pages):
-                h, toks = load.hashes[i - load.start], load.tokens[i - load.start]
-                if row is not None and row[i] == b:
-                    kept = row[i] = self._publish_or_twin(pool, b, h, toks)
-                else:
-                    kept = pool.publish(b, h, toks)
-                if pool.block_hash[kept] != h:
-                    break
+            leaf.land_load(pool, req.rows[lid] if req is not None else None, load, pages, self._publish_or_twin)
 
     def _post_leaf_offload(self, r: int, hashes: list[bytes], toks: np.ndarray) -> None:
         """spec/manager.md §9.8: offload one committed run of every leaf: the full leaf's run up to
@@ -1409,10 +1357,7 @@ class PagedKVCacheManager:
         flat = toks.reshape(-1)
         for leaf in self._leaves:
             lid, pool = leaf.leaf_id, pools[leaf.leaf_id]
-            if leaf.kind is LeafKind.FULL:
-                found = list(enumerate(pool.lookup_run(hashes, flat)))
-            else:
-                found = [(j, b) for j, h in enumerate(hashes) if (b := pool.lookup(h, toks[j])) is not None]
+            found = leaf.published_pages(pool, hashes, toks, flat)
             if found:
                 leaf_pages[lid] = [b for _, b in found]
                 items += [(lid, j, b) for j, b in found]
@@ -2143,11 +2088,12 @@ class PagedKVCacheManager:
             raise ValueError(f"{op}: len(batches)={len(batches)} but data_parallel_degree={self._dp}; "
                              "the number of batches must match the number of replicas")
         # (2)
-        if any(self._leaf[lid].is_recurrent for lid in leaf_ids) and not any(batches):
+        if any(self._leaf[lid].binds_rows for lid in leaf_ids) and not any(batches):
             raise ValueError(f"{op}: every batch is empty, but a recurrent leaf binds rows; "
                              "runtime_inputs called with an empty batch")
         # (3)
         seen = set()
+        what = "seq_len" if self._drafts else "current_position"  # spec/manager.md §15
         for r, batch in enumerate(batches):
             for i, c in enumerate(batch):
                 req = self._requests.get(c.request_id)
@@ -2163,17 +2109,9 @@ class PagedKVCacheManager:
                 self._check_drafts(op, c, f"batches[{r}][{i}]")
                 reach = self._seq_len(c)
                 for lid in leaf_ids:
-                    row, leaf = req.rows[lid], self._leaf[lid]
-                    if leaf.is_recurrent:
-                        if not row:
-                            raise ValueError(f"{op}: batches[{r}][{i}] request_id={c.request_id!r} holds no state "
-                                             f"page of leaf {lid!r}; alloc must be called first")
-                    elif len(row) * page < reach:
-                        what = "seq_len" if self._drafts else "current_position"  # spec/manager.md §15
-                        raise ValueError(
-                            f"{op}: batches[{r}][{i}] request_id={c.request_id!r} holds {len(row)} blocks of leaf "
-                            f"{lid!r} ({len(row) * page} tokens) < {what}={reach}; "
-                            "it does not have sufficient blocks, alloc must be called first")
+                    short = self._leaf[lid].row_shortfall(req.rows[lid], reach, what)
+                    if short is not None:
+                        raise ValueError(f"{op}: batches[{r}][{i}] request_id={c.request_id!r} {short}")
         need = max((self._required_blocks(c) for b in batches for c in b), default=0)
         cols = lut_columns(op, need, page, max_cache_length, batches, self._max_batch_size,
                            self._max_seq_len, self._slack)  # checks (4), (5); spec/manager.md §15: the slack
@@ -2199,10 +2137,9 @@ class PagedKVCacheManager:
             bound = int(max_cache_length) if max_cache_length is not None else reach
             per = {}
             for lid in leaf_ids:
-                recurrent = self._leaf[lid].is_recurrent  # spec/manager.md §8: one column, the live state page
-                lut = eng.to_device(eng.lookup_table([q.rows[lid] for q in reqs],
-                                                     [1] * len(reqs) if recurrent else widths,
-                                                     LUT_ALIGN if recurrent else cols))
+                leaf = self._leaf[lid]  # spec/manager.md §8: the leaf says what its column holds
+                lut = eng.to_device(eng.lookup_table([q.rows[lid] for q in reqs], leaf.table_widths(widths),
+                                                     leaf.table_columns(cols)))
                 scales = self._scales[r].get(lid)  # spec/manager.md §16: all three scale fields, or none
                 per[lid] = KVCacheInputsPerDevice(
                     kv_blocks=self._buffers[r][lid],  # None in bookkeeping-only mode (spec/manager.md §8)
@@ -2268,17 +2205,9 @@ class PagedKVCacheManager:
                 (n,) = lens  # (processed_length vs rows is the scheduler's side: step checks it)
                 for leaf in self._leaves:
                     row = q.rows[leaf.leaf_id]
-                    if leaf.is_recurrent:
-                        assert len(row) <= 2 and NULL_BLOCK not in row, f"{p}: request {rid!r} state row {row}"
-                        continue
-                    lo = q.nulled.get(leaf.leaf_id, 0) if leaf.is_sliding else 0
-                    assert all(b == NULL_BLOCK for b in row[:lo]), f"{p}: request {rid!r} leaf {leaf.leaf_id!r} live page below window"
-                    assert NULL_BLOCK not in row[lo:], (
-                        f"{p}: request {rid!r} leaf {leaf.leaf_id!r} row {row} holds block 0 at or above slot {lo}")
+                    lo = leaf.check_row(p, rid, row, q.nulled)  # the row's shape; its first live slot
                     pool = self._pools[r][leaf.leaf_id]
-                    # spec/manager.md §10.4: a sliding leaf's slots below the window of the committed length
-                    # (a load moved the window past them; the next step frees them) are not checked.
-                    for i in range(max(lo, leaf.window_start(min(q.committed, n))), min(q.committed, n)):
+                    for i in leaf.committed_blocks(lo, min(q.committed, n)):  # spec/manager.md §10.4
                         b = row[i]
                         if (leaf.leaf_id, b) in loading:
                             continue

@@ -53,28 +53,112 @@ class _Offload:
     leaf_pages: dict[str, list[int]] | None = None  # several leaves (spec/manager.md §9.8): leaf -> pinned pages
 
 
-@dataclass
 class _Request:
-    """Per-request state of a claimed context."""
+    """Per-request state of a claimed context.
 
-    ctx: TextContext
-    replica: int
-    rows: dict[str, list[int]]
-    dummy: bool = False
-    hashes: list[bytes] = field(default_factory=list)
-    committed: int = 0  # leading row blocks published (or loading)
-    nulled: dict[str, int] = field(default_factory=dict)  # sliding: leading null slots
-    restore: dict[str, int] = field(default_factory=dict)  # recurrent: checkpoint page to resume from
-    ext_point: bool = False  # the external stage may still run for this admission
-    lookup: tuple[int, int] | None = None  # (first block, blocks held) from start_lookup
-    lookup_pending: bool = False  # a deferred alloc left the external stage to do
-    skip_connector: bool = False
-    load: _Load | None = None
-    stepped_during_load: bool = False
-    ran_past: bool = False
-    step_gen: int = 0
-    counted_gen: int = -1
-    counted_active: int = 0
+    Its lifecycle (:attr:`phase`) is one of ``"dummy"`` (a padding row,
+    spec/manager.md §7.2), ``"admitting"`` (no pages yet, or the external stage
+    of its admission still due: ``ext_point``, a deferred ``lookup`` or
+    ``lookup_pending``, spec/manager.md §9.3), ``"loading"`` (a load of its
+    own in flight, or failed and not yet undone, spec/manager.md §9.6) and
+    ``"running"`` (admitted, nothing in flight: a forward only grows its rows
+    and a step only commits). ``settled`` is true exactly outside ``"dummy"``,
+    ``"loading"`` and the admission's flags: it is kept by the setters of those
+    fields, so the decode paths read one attribute instead of five.
+    """
+
+    __slots__ = ("ctx", "replica", "rows", "_dummy", "hashes", "committed", "nulled", "restore", "_ext_point",
+                 "_lookup", "_lookup_pending", "skip_connector", "_load", "stepped_during_load", "ran_past",
+                 "step_gen", "counted_gen", "counted_active", "settled")
+
+    def __init__(self, ctx: TextContext, replica: int, rows: dict[str, list[int]], dummy: bool = False):
+        self.ctx = ctx
+        self.replica = replica
+        self.rows = rows
+        self.hashes: list[bytes] = []
+        self.committed = 0  # leading row blocks published (or loading)
+        self.nulled: dict[str, int] = {}  # sliding: leading null slots
+        self.restore: dict[str, int] = {}  # recurrent: checkpoint page to resume from
+        self.skip_connector = False
+        self.stepped_during_load = False
+        self.ran_past = False
+        self.step_gen = 0
+        self.counted_gen = -1
+        self.counted_active = 0
+        self._dummy = dummy
+        self._ext_point = False  # the external stage may still run for this admission
+        self._lookup: tuple[int, int] | None = None  # (first block, blocks held) from start_lookup
+        self._lookup_pending = False  # a deferred alloc left the external stage to do
+        self._load: _Load | None = None
+        self.settled = not dummy
+
+    def _settle(self) -> None:
+        self.settled = not (self._dummy or self._load is not None or self._ext_point or self._lookup is not None
+                            or self._lookup_pending)
+
+    @property
+    def phase(self) -> str:
+        """``"dummy"``, ``"loading"``, ``"admitting"`` or ``"running"`` (see the class doc)."""
+        if self._dummy:
+            return "dummy"
+        if self._load is not None:
+            return "loading"
+        if not self.settled or not any(self.rows.values()):
+            return "admitting"
+        return "running"
+
+    @property
+    def dummy(self) -> bool:
+        return self._dummy
+
+    @property
+    def ext_point(self) -> bool:
+        return self._ext_point
+
+    @ext_point.setter
+    def ext_point(self, value: bool) -> None:
+        self._ext_point = value
+        self._settle()
+
+    @property
+    def lookup(self) -> tuple[int, int] | None:
+        return self._lookup
+
+    @lookup.setter
+    def lookup(self, value: tuple[int, int] | None) -> None:
+        self._lookup = value
+        self._settle()
+
+    @property
+    def lookup_pending(self) -> bool:
+        return self._lookup_pending
+
+    @lookup_pending.setter
+    def lookup_pending(self, value: bool) -> None:
+        self._lookup_pending = value
+        self._settle()
+
+    @property
+    def load(self) -> _Load | None:
+        return self._load
+
+    @load.setter
+    def load(self, value: _Load | None) -> None:
+        self._load = value
+        self._settle()
+
+    #: every field of the record, for fingerprints in tests (the context excluded)
+    FIELDS = ("replica", "rows", "dummy", "hashes", "committed", "nulled", "restore", "ext_point", "lookup",
+              "lookup_pending", "skip_connector", "load", "stepped_during_load", "ran_past", "step_gen",
+              "counted_gen", "counted_active", "settled")
+
+    def state(self) -> dict:
+        """Every field but the context, by name (for tests' before/after fingerprints)."""
+        return {k: getattr(self, k) for k in self.FIELDS}
+
+    def __repr__(self) -> str:
+        return (f"_Request({self.ctx.request_id if self.ctx is not None else None!r}, replica={self.replica}, "
+                f"phase={self.phase!r}, committed={self.committed})")
 
 
 class _AllocPlan:

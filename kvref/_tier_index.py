@@ -19,7 +19,11 @@ operation scans the index: each entry has an LRU rank (a counter bumped
 whenever it becomes the most recently used), each level a min-heap of
 ``(rank, seq, hash)`` whose item is live while ``_at[hash] == (level, seq)``
 (a move re-pushes, the old item goes stale and is skipped; a heap holding
-more than twice its live items plus 64 is compacted: amortised O(1)), and
+more than twice its live items plus 64 is compacted: amortised O(1)). A
+touch only bumps the rank (O(1)): a live item's rank is a lower bound of its
+entry's rank (ranks only grow), and the front re-pushes an item popped with
+an outdated rank at its entry's rank before reading on, so the front is
+always read in true rank order (each touch causes at most one re-push), and
 the claims with a finite expiry a min-heap ``(expiry, hash)``; claims whose
 expiry passed are dropped before the eviction front is read, their entries
 moving to level 35 at their own rank (so between the entries of level 35 in
@@ -104,17 +108,21 @@ class EntryIndex:
         when it ends: exhaust or ``close()`` it before changing the index (``_victims``)."""
         if self._expiries:
             self._expire(self.clock())
-        at, index = self._at, self._index
+        at, index, rank = self._at, self._index, self._rank
         taken: list[tuple[list, tuple[int, int, bytes]]] = []
         try:
             for level in sorted(self._count):
                 heap = self._heaps[level]
                 while heap:
                     item = heapq.heappop(heap)
-                    if at.get(item[2]) != (level, item[1]):
+                    h = item[2]
+                    if at.get(h) != (level, item[1]):
                         continue  # stale: dropped for good
+                    if item[0] != rank[h]:  # touched since it was pushed: back at its entry's rank
+                        heapq.heappush(heap, (rank[h], item[1], h))
+                        continue
                     taken.append((heap, item))
-                    yield index[item[2]]
+                    yield index[h]
         finally:
             for heap, item in taken:
                 heapq.heappush(heap, item)
@@ -157,6 +165,8 @@ class EntryIndex:
             old = claims.get(h) if e is not None else pending.pop(h, None)
             if old is None:
                 new = (priority, expiry)
+            elif old[0] == priority and old[1] == expiry:
+                new = old  # the same claim again: merge gives it back (no clock read)
             else:
                 if now is None:
                     now = self.clock()
@@ -209,16 +219,14 @@ class EntryIndex:
     def touch(self, hashes: Iterable[bytes]) -> None:
         """Make the given hashes most recently used, in the order given (the
         last one ends up most recent)."""
-        index, at = self._index, self._at
+        index, rank, tick = self._index, self._rank, self._tick
         for h in hashes:
             e = index.get(h)
             if e is not None and not e.dead:
                 index.move_to_end(h)
-                self._bump(h)
-                a = at.get(h)
-                if a is not None:
-                    self._unplace(h)
-                    self._place(h, a[0])
+                tick += 1
+                rank[h] = tick  # its heap item keeps the old rank, a lower bound (see the module doc)
+        self._tick = tick
 
     def clear(self) -> None:
         """Forget every entry; those still read or written are discarded when they end."""
@@ -331,10 +339,12 @@ class EntryIndex:
         assert all(a < b for a, b in itertools.pairwise(ranks)), f"{p}: ranks out of the index's LRU order"
         want = {h for h, e in self._index.items() if e.state == "ready" and e.pins == 0 and not e.dead}
         assert set(self._at) == want, f"{p}: {len(self._at)} placed entries, {len(want)} evictable"
-        items = {level: set(heap) for level, heap in self._heaps.items()}
+        items = {level: {x[1:]: x[0] for x in heap} for level, heap in self._heaps.items()}
         for h, (level, seq) in self._at.items():
             assert level == self._level(h), f"{p}: {h.hex()[:12]} at level {level}, claim {self._claims.get(h)}"
-            assert (self._rank[h], seq, h) in items[level], f"{p}: {h.hex()[:12]} not in its heap"
+            # its live item: (rank when pushed, seq, h), a rank at most the entry's (touches are lazy)
+            assert items[level].get((seq, h), self._rank[h] + 1) <= self._rank[h], (
+                f"{p}: {h.hex()[:12]} not in its heap")
         counts: dict[int, int] = {}
         for level, _ in self._at.values():
             counts[level] = counts.get(level, 0) + 1

@@ -79,6 +79,13 @@ CONFIGS = {
         data_parallel_degree=2, enable_prefix_caching=True,
     ),
     "replicas": dict(leaves=None, data_parallel_degree=2, enable_prefix_caching=True),
+    # the decode lanes with several leaves on one replica (issue 12): slab growth, the quiet step
+    "sliding": dict(leaves={"full": LeafSpec.full(), "swa": LeafSpec.sliding_window(3)},
+                    data_parallel_degree=1, enable_prefix_caching=True),
+    "recurrent": dict(leaves={"full": LeafSpec.full(), "rec": LeafSpec.recurrent((2,))},
+                      data_parallel_degree=1, enable_prefix_caching=True),
+    "sliding_only": dict(leaves={"swa": LeafSpec.sliding_window(3)}, data_parallel_degree=1,
+                         enable_prefix_caching=False),
 }
 
 
@@ -112,10 +119,11 @@ def _kv_value(tokens, p: int) -> float:
 class ManagerDiff(RuleBasedStateMachine):
     """A scheduler driving a kvref and a kvfast manager with the same calls."""
 
-    @initialize(cfg=st.sampled_from(["fast", "fast", "fast", "fast_nocache", "xxh3", "hybrid", "replicas"]),
+    @initialize(cfg=st.sampled_from(["fast", "fast", "fast", "fast_nocache", "xxh3", "hybrid", "replicas",
+                                     "sliding", "recurrent", "sliding_only"]),
                 num_blocks=st.integers(8, 14))
     def setup(self, cfg, num_blocks):
-        if cfg == "hybrid":  # spec/manager.md §1.6: the pool holds one MAX_SEQ request of every leaf
+        if CONFIGS[cfg]["leaves"] is not None:  # spec/manager.md §1.6: the pool holds one MAX_SEQ request of every leaf
             num_blocks = max(num_blocks, 11)
         self.num_blocks = num_blocks
         kw = dict(CONFIGS[cfg])

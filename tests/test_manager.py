@@ -572,8 +572,8 @@ def test_sliding_hole_spoils_the_window_above_but_not_the_root_run():
 def test_joint_hit_is_a_fixed_point_not_a_minimum():
     from kvref._leaves import Leaf, joint_hit
 
-    full = Leaf("full", LeafSpec.full(), 4)
-    swa = Leaf("swa", LeafSpec.sliding_window(9), 4)  # 2 blocks in window
+    full = Leaf.make("full", LeafSpec.full(), 4)
+    swa = Leaf.make("swa", LeafSpec.sliding_window(9), 4)  # 2 blocks in window
 
     class Res:  # the Residency surface: resident(i) and the run from the root
         def __init__(self, held):
@@ -589,7 +589,7 @@ def test_joint_hit_is_a_fixed_point_not_a_minimum():
     swa_res = {0, 1, 3, 4}  # hole at 2: hits 5 (needs 3,4) ok; 3 needs 1,2 no; 2 needs 0,1 ok
     res = {"full": Res(full_res), "swa": Res(swa_res)}
     assert joint_hit([full, swa], 6, res) == 5
-    rec = Leaf("rec", LeafSpec.recurrent((2,)), 4)
+    rec = Leaf.make("rec", LeafSpec.recurrent((2,)), 4)
     res["rec"] = Res({3})  # checkpoint after block 3 -> hit 4: swa needs 2,3 -> no
     assert joint_hit([full, swa, rec], 6, res) == 0
     res["rec"] = Res({1, 3})  # hit 2: swa needs 0,1 -> ok

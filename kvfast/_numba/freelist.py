@@ -271,6 +271,48 @@ def set_retention(prev, next_, ref_count, published, prio, expiry, head, lo, blo
 
 
 @njit(nogil=True, cache=True)
+def retain_free(prev, next_, ref_count, published, prio, expiry, head, lo, now, blocks, priority, until, ttl):
+    """:func:`set_retention` of ``(priority, until)`` then :func:`free_many`, block by block in one
+    pass (a request's release, spec/manager.md §6 and §14.2). The same state as the two calls in
+    sequence: a block's claim is merged while the request still references it, so the merge never
+    moves it, and the free then queues it at its new level. Returns :func:`free_many`'s tuple, or
+    ``(-2 - i, 0, lo, 0)`` with nothing changed when ``blocks[i]`` is the first id out of range."""
+    for i in range(blocks.shape[0]):
+        if blocks[i] < 0 or blocks[i] >= ref_count.shape[0]:
+            return -2 - i, 0, lo, 0
+    freed = 0
+    k = 0
+    for i in range(blocks.shape[0]):
+        b = blocks[i]
+        if b == 0:
+            continue
+        if ref_count[b] <= 0:
+            return i, freed, lo, k
+        if published[b]:
+            p0 = prio[b]
+            if p0 < 0 or expiry[b] <= now or priority > p0:
+                prio[b] = priority
+                expiry[b] = until
+            elif priority == p0 and until > expiry[b]:
+                expiry[b] = until
+        ref_count[b] -= 1
+        if ref_count[b] == 0:
+            freed += 1
+            if published[b]:
+                if expiry[b] <= now:
+                    prio[b] = -1
+                    expiry[b] = np.inf
+                lo, k = _requeue(prev, next_, head, prio, expiry, b, lo, ttl, k)
+            else:
+                nn = next_[head]
+                next_[head] = b
+                prev[b] = head
+                next_[b] = nn
+                prev[nn] = b
+    return -1, freed, lo, k
+
+
+@njit(nogil=True, cache=True)
 def walk(next_, head, tail, out):
     """Write the list's blocks front to back into ``out`` (sentinels skipped); returns their number."""
     k = 0
