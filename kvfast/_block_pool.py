@@ -540,7 +540,22 @@ class BlockPool:
         toks = _rows(data, n)
         w = toks.shape[1]
         bh, idx = self.block_hash, self.hash_to_block
-        if list(map(idx.get, hashes)).count(None) == n:
+        got = list(map(idx.get, hashes))
+        fresh = got.count(None)
+        t = n - fresh
+        if 0 < t and (fresh == 0 or got.index(None) == t) and w <= self._tok.shape[1] \
+                and list(map(bh.__getitem__, blocks[:t])).count(None) == t:
+            # A leading run of twins (a prefix another request of the wave published first),
+            # then fresh blocks only, none of ours published: the loop below would switch each
+            # twin whose stored tokens match (one kernel call verifies them all) and stop at
+            # the first that does not (a collision); the fresh tail is the common case.
+            canon = got[:t]
+            ok = _fl.verify_run(self._tok, self._tok_len, np.fromiter(canon, np.int64, t),
+                                toks[:t].astype(np.int32, copy=False))
+            if ok < t:
+                return canon[:ok]
+            return canon + (self.publish_run(blocks[t:], hashes[t:], toks[t:].reshape(-1)) if fresh else [])
+        if fresh == n:
             # Common case (a prefill's or decode's fresh blocks): no twin, and (checked
             # below, undone if not) no block published yet, no repeated block or hash;
             # then this is exactly the loop at the end.

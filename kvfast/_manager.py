@@ -110,7 +110,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         # claim only without a connector; the splice (the reuse point) of one replica only: with peers
         # it takes the policy's cross-replica hit (spec/manager.md §7.3).
         self._fast = self._single and not self._uses_connector
-        self._fast_splice = self._fast and self._dp == 1
+        self._fast_splice = self._single and self._dp == 1
         self._anchor_id = self._anchor.leaf_id  # every paged row has its length (spec/manager.md §4.6)
         #: several leaves: the paged leaves in leaf order (the order the policy draws their pages in)
         self._grow_ids = [] if self._single else list(self._paged_ids)
@@ -221,7 +221,10 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         return True
 
     def _alloc_fast(self, ctx: TextContext, defer_lookup: bool) -> KVTransfer:
-        if not self._fast_splice or self._loads or self._offloads:
+        """The admission of one full leaf on one replica (spec/manager.md §4): the splice of the
+        device hit, the sizing and, with a connector, the external stage when the tiers hold
+        nothing past the hit (one lookup); anything else is the policy's."""
+        if not self._fast_splice or self._loads:
             return super().alloc(ctx, defer_lookup=defer_lookup)
         op = "alloc"
         # spec/manager.md §4.1: every argument is checked before the stored context may be replaced.
@@ -237,11 +240,16 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         self._check_no_rewind(op, req, ctx)  # spec/manager.md §11.21
         if req.dummy:
             return self._size_dummy(req)
+        if self._offloads:
+            self._drain()  # spec/manager.md §9.2: finished transfers land before anything is sized
         leaf_id = self._conn_leaf
         pool = self._pools[0][leaf_id]
         row = req.rows[leaf_id]
         page = self._page
         splice = self._caching and ctx.processed_length == 0 and not row
+        conn = self._uses_connector
+        if conn and (not splice or defer_lookup or not req.settled or req.skip_connector):
+            return super().alloc(ctx, defer_lookup=defer_lookup)  # a deferred or held lookup, a load
         if splice:
             hashes = self._hashes_for(ctx, req.hashes)
             cap = min(len(hashes), (ctx.active_length - 1) // page)
@@ -256,10 +264,26 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         if need > free and splice:
             free = pool.num_free - pool.count_free(hits)
         if need > free:
+            if self._offloads:
+                return super().alloc(ctx)  # spec/manager.md §4 step 6: the policy may wait for them
             raise InsufficientBlocksError(
                 f"alloc: request_id={ctx.request_id!r} needs {need} blocks of leaf {leaf_id!r}, "
                 f"{free} free or evictable on replica 0"
             )
+        # spec/manager.md §9.3: the external stage (the connector in use, a fresh splice, blocks
+        # past the hit): one lookup; a load goes to the policy with the answer held (spec/manager.md §9.4), so
+        # the connector is asked once.
+        ext = conn and k < len(hashes)
+        if ext:
+            n = self._lookup(op, 0, hashes, ctx.tokens, k)  # TypeError for a bad answer, nothing changed
+            if min(n, len(hashes) - k, (ctx.current_position - k * page - 1) // page) > 0:
+                req.lookup = (k, n)
+                try:
+                    return super().alloc(ctx)
+                except BaseException:
+                    if req.lookup == (k, n):
+                        req.lookup = None  # as after the policy's own failed stage
+                    raise
         # ---- commit (nothing below can fail)
         m = self._metrics
         if splice:
@@ -274,9 +298,11 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             ctx.cached_prefix_external_length = 0
             m.cache_tokens += k * page
             m.device_blocks_served += k
-            req.ext_point = True
+            req.ext_point = not ext  # the stage ran (nothing to load) or is still due
         if need:
             row.extend(pool.allocate_array(need).tolist())
+        if conn and k:
+            self._tier_touch(0, hashes[:k])  # spec/manager.md §4.8: the device hit re-ranked in the tiers
         # spec/manager.md §4.9: input_tokens counts each forward's active tokens once.
         if req.counted_gen == req.step_gen:
             m.input_tokens += ctx.active_length - req.counted_active

@@ -73,6 +73,31 @@ class Residency:
             self._run_cap = k
         return min(k, len(self._run))
 
+    def span(self, lo: int, k: int) -> int:
+        """How many blocks from ``lo`` on, at most ``k - lo``, are resident in a row: the
+        blocks already answered, then one ``lookup_run`` over the rest (which stops where
+        ``lookup`` would first miss; the pages found and that miss are memoised)."""
+        i = lo
+        pages, run = self._pages, self._run
+        while i < k:
+            if i < len(run):
+                i += 1
+                continue
+            if i not in pages:
+                break
+            if pages[i] is None:
+                return i - lo
+            i += 1
+        if i < k:
+            p = self.page_size
+            found = self.pool.lookup_run(self.hashes[i:k], self.tokens[i * p : k * p])
+            for j, b in enumerate(found):
+                pages[i + j] = b
+            i += len(found)
+            if i < k:
+                pages[i] = None
+        return i - lo
+
     def pages(self, lo: int, k: int) -> list[int]:
         """The pages of blocks ``lo .. k-1`` (all resident)."""
         if k <= len(self._run):
@@ -103,6 +128,13 @@ class ExtendedResidency:
         if got is None:
             got = self._memo[i] = bool(self._ask(i))
         return got
+
+    def span(self, lo: int, k: int) -> int:
+        """How many blocks from ``lo`` on, at most ``k - lo``, are held in a row."""
+        i = lo
+        while i < k and self(i):
+            i += 1
+        return i - lo
 
     def run(self, k: int) -> int:
         """The held run from the root, at most ``k`` blocks."""
@@ -468,10 +500,17 @@ class SlidingWindowLeaf(_PagedLeaf):
 
     def best(self, k: int, resident: Residency) -> int:
         # spec/manager.md §3.2 sliding: a complete resident window before the stop
-        # (a resident root run when the stop is inside the first window).
-        for j in range(k, 0, -1):
-            if all(resident(i) for i in range(self.window_start(j), j)):
+        # (a resident root run when the stop is inside the first window). The longest such
+        # stop, found window by window: when block m of stop j's window is missing, every
+        # stop in (m, j] has m in its window (window_start never decreases), so the next
+        # candidate is m.
+        j = k
+        while j > 0:
+            lo = self.window_start(j)
+            held = resident.span(lo, j)
+            if held == j - lo:
                 return j
+            j = lo + held
         return 0
 
     def _first_live_slot(self, nulled: dict[str, int]) -> int:

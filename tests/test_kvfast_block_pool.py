@@ -74,6 +74,16 @@ class PoolComparison(RuleBasedStateMachine):
         b = data.draw(st.sampled_from(self.held))
         self.both("publish", b, h, TOKENS[t])
 
+    @precondition(lambda self: self.held)
+    @rule(data=st.data(), n=st.integers(1, 4))
+    def publish_run(self, data, n):
+        """A run of a request's row: twins (a prefix published first), fresh blocks, collisions."""
+        blocks = data.draw(st.lists(st.sampled_from(sorted(set(self.held))), min_size=1, max_size=n, unique=True))
+        hashes = data.draw(st.lists(st.sampled_from(HASHES), min_size=len(blocks), max_size=len(blocks),
+                                    unique=True))
+        toks = np.concatenate([TOKENS[data.draw(st.sampled_from(range(len(TOKENS))))] for _ in blocks])
+        self.both("publish_run", list(blocks), list(hashes), toks)
+
     @rule(h=st.sampled_from(HASHES), t=st.sampled_from(range(len(TOKENS))))
     def lookup(self, h, t):
         self.both("lookup", h, TOKENS[t])

@@ -139,8 +139,14 @@ def test_host_tier_matches_reference(seed):
     # tier counts are deterministic and compared after every call.
     params = _params(host_offload_bytes=64 * _params().kv_page_bytes, allocate_buffers=False)
     pair = _Pair(params, num_blocks=16)  # small: prefixes are evicted on the device, loaded from the host
-    assert pair.ms[1]._lane and not pair.ms[1]._fast  # decode, inputs, step and release lanes
+    # decode, inputs, step and release lanes, and the admission's (its external stage asks once)
+    assert pair.ms[1]._lane and pair.ms[1]._fast_splice and not pair.ms[1]._fast
+    asked = ([], [])
+    for side, ms in enumerate(pair.ms):
+        real = ms._connector.lookup
+        ms._connector.lookup = lambda h, t, r=0, real=real, log=asked[side]: log.append(len(h)) or real(h, t, r)
     _drive(pair, np.random.default_rng(seed), waves=8, wave=3, prefixes=6)
+    assert asked[0] == asked[1] and asked[1]  # the same lookups, in the same order, never twice
     m = pair.ms[1]
     assert m.get_metrics_aggregated().d2h_bytes_copied > 0  # committed runs reached the tier
     assert m.get_metrics_aggregated().h2d_bytes_copied > 0  # and later admissions loaded from it

@@ -9,11 +9,13 @@ import inspect
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvspec import KVCacheParams, LeafKind, LeafSpec
 from kvspec.engine import NULL_BLOCK
 
 from kvref import _manager
-from kvref._leaves import FullLeaf, Leaf, RecurrentLeaf, SlidingWindowLeaf, joint_hit
+from kvref._leaves import FullLeaf, Leaf, RecurrentLeaf, Residency, SlidingWindowLeaf, joint_hit
 from kvref._request import _AllocPlan, _Request
 from kvref._runtime_inputs import LUT_ALIGN
 
@@ -31,6 +33,9 @@ class Held:
 
     def run(self, k: int) -> int:
         return next((i for i in range(k) if i not in self.held), k)
+
+    def span(self, lo: int, k: int) -> int:
+        return next((i for i in range(lo, k) if i not in self.held), k) - lo
 
     def page(self, i: int):
         return self.base + i if i in self.held else None
@@ -276,3 +281,35 @@ def test_the_policy_does_not_branch_on_leaf_kind():
     # (the import of LeafKind is an ImportFrom, not an attribute: not counted)
     assert elsewhere == [], f"kvref/_manager.py branches on leaf kind outside __init__ at lines {elsewhere}"
     assert len(in_init) <= MAX_KIND_TESTS_IN_INIT, f"kind tests in __init__ at lines {in_init}"
+
+
+@settings(deadline=None)
+@given(window=st.integers(2, 40), page=st.sampled_from([1, 2, 4, 16]), k=st.integers(0, 30),
+       held=st.sets(st.integers(0, 30)))
+def test_sliding_best_is_the_longest_stop_with_a_whole_window(window, page, k, held):
+    """spec/manager.md §3.2 sliding, by its definition: the largest j <= k whose window
+    [window_start(j), j) is resident (the rule jumps over stops a missing block rules out)."""
+    leaf = Leaf.make("swa", LeafSpec.sliding_window(window), page)
+    want = next((j for j in range(k, 0, -1) if all(i in held for i in range(leaf.window_start(j), j))), 0)
+    assert leaf.best(k, Held(held)) == want
+
+
+def test_residency_span_memoises_one_batched_lookup():
+    import kvref
+
+    pool = kvref.BlockPool(12)
+    toks = np.arange(40, dtype=np.int32)
+    hashes = [bytes([i]) * 32 for i in range(10)]
+    pages = [int(b) for b in pool.allocate(10)]
+    for i in (0, 1, 2, 4, 5, 6, 7):
+        pool.publish(pages[i], hashes[i], toks[4 * i : 4 * i + 4])
+    calls = []
+    real = pool.lookup_run
+    pool.lookup_run = lambda h, t: calls.append(len(h)) or real(h, t)
+    res = Residency(pool, hashes, toks, 4)
+    assert res.span(4, 9) == 4  # blocks 4, 5, 6, 7 held, 8 missing
+    assert res.span(4, 8) == 4
+    assert res.span(0, 4) == 3  # 3 missing
+    assert res(8) is False and res(2) is True and res.page(5) == pages[5]
+    assert res.span(5, 7) == 2 and res.span(3, 5) == 0
+    assert calls == [5, 4]  # [4, 9) once; [0, 4) once; everything after from the memo

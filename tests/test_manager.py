@@ -575,7 +575,7 @@ def test_joint_hit_is_a_fixed_point_not_a_minimum():
     full = Leaf.make("full", LeafSpec.full(), 4)
     swa = Leaf.make("swa", LeafSpec.sliding_window(9), 4)  # 2 blocks in window
 
-    class Res:  # the Residency surface: resident(i) and the run from the root
+    class Res:  # the Residency surface: resident(i), the run from the root, a span
         def __init__(self, held):
             self.held = held
 
@@ -584,6 +584,9 @@ def test_joint_hit_is_a_fixed_point_not_a_minimum():
 
         def run(self, k):
             return next((i for i in range(k) if i not in self.held), k)
+
+        def span(self, lo, k):
+            return next((i for i in range(lo, k) if i not in self.held), k) - lo
 
     full_res = {0, 1, 2, 3, 4, 5}
     swa_res = {0, 1, 3, 4}  # hole at 2: hits 5 (needs 3,4) ok; 3 needs 1,2 no; 2 needs 0,1 ok

@@ -101,6 +101,36 @@ def _requeue(prev, next_, head, prio, expiry, b, lo, ttl, k):
 
 
 @njit(nogil=True, cache=True)
+def _merge_claim(prio, expiry, b, priority, until, now):
+    """Merge the claim ``(priority, until)`` into published ``b``'s (kvspec.retention.merge):
+    no claim or an expired one takes the new claim; else the higher priority, at equal
+    priority the later expiry."""
+    p0 = prio[b]
+    if p0 < 0 or expiry[b] <= now or priority > p0:
+        prio[b] = priority
+        expiry[b] = until
+    elif priority == p0 and until > expiry[b]:
+        expiry[b] = until
+
+
+@njit(nogil=True, cache=True)
+def _release(prev, next_, published, prio, expiry, head, b, lo, now, ttl, k):
+    """Queue ``b``, whose ref count just reached 0: the front when unpublished, the back of its
+    level when published (a claim expired by ``now`` is dropped first). Returns ``(lo, k)``."""
+    if published[b]:
+        if expiry[b] <= now:
+            prio[b] = -1
+            expiry[b] = np.inf
+        return _requeue(prev, next_, head, prio, expiry, b, lo, ttl, k)
+    nn = next_[head]
+    next_[head] = b
+    prev[b] = head
+    next_[b] = nn
+    prev[nn] = b
+    return lo, k
+
+
+@njit(nogil=True, cache=True)
 def unlink(prev, next_, b):
     """Take block ``b`` out of the list (a prefix hit revives a free block)."""
     p = prev[b]
@@ -227,17 +257,7 @@ def free_many(prev, next_, ref_count, published, prio, expiry, head, lo, now, bl
         ref_count[b] -= 1
         if ref_count[b] == 0:
             freed += 1
-            if published[b]:
-                if expiry[b] <= now:
-                    prio[b] = -1
-                    expiry[b] = np.inf
-                lo, k = _requeue(prev, next_, head, prio, expiry, b, lo, ttl, k)
-            else:
-                nn = next_[head]
-                next_[head] = b
-                prev[b] = head
-                next_[b] = nn
-                prev[nn] = b
+            lo, k = _release(prev, next_, published, prio, expiry, head, b, lo, now, ttl, k)
     return -1, freed, lo, k
 
 
@@ -254,12 +274,7 @@ def set_retention(prev, next_, ref_count, published, prio, expiry, head, lo, blo
         b = blocks[i]
         if b == 0 or not published[b]:
             continue
-        p0 = prio[b]
-        if p0 < 0 or expiry[b] <= now or priority > p0:
-            prio[b] = priority
-            expiry[b] = until
-        elif priority == p0 and until > expiry[b]:
-            expiry[b] = until
+        _merge_claim(prio, expiry, b, priority, until, now)
         if ref_count[b] == 0:
             pp = prev[b]
             nn = next_[b]
@@ -289,26 +304,11 @@ def retain_free(prev, next_, ref_count, published, prio, expiry, head, lo, now, 
         if ref_count[b] <= 0:
             return i, freed, lo, k
         if published[b]:
-            p0 = prio[b]
-            if p0 < 0 or expiry[b] <= now or priority > p0:
-                prio[b] = priority
-                expiry[b] = until
-            elif priority == p0 and until > expiry[b]:
-                expiry[b] = until
+            _merge_claim(prio, expiry, b, priority, until, now)
         ref_count[b] -= 1
         if ref_count[b] == 0:
             freed += 1
-            if published[b]:
-                if expiry[b] <= now:
-                    prio[b] = -1
-                    expiry[b] = np.inf
-                lo, k = _requeue(prev, next_, head, prio, expiry, b, lo, ttl, k)
-            else:
-                nn = next_[head]
-                next_[head] = b
-                prev[b] = head
-                next_[b] = nn
-                prev[nn] = b
+            lo, k = _release(prev, next_, published, prio, expiry, head, b, lo, now, ttl, k)
     return -1, freed, lo, k
 
 
