@@ -168,7 +168,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                 processed, active = ctx._processed, ctx._active
                 if row and ctx._length <= self._max_seq_len and processed >= req.committed * page and (
                         not self._state_ids or self._states_complete(req)):
-                    if self._loads or self._offloads:
+                    if self._loads or self._offloads and self._completions_moved():
                         self._drain()  # spec/manager.md §9.2: finished transfers land before the sizing
                     # Not at the reuse point (the row holds pages): only growth, no splice; every
                     # paged row has the anchor's length (spec/manager.md §4.6).
@@ -184,6 +184,12 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                     req.counted_active = active
                     return _DONE
         return self._alloc_fast(ctx, defer_lookup)
+
+    def _completions_moved(self) -> bool:
+        """Whether the drain could unpin an offload (spec/manager.md §9.2): the connector's
+        completion count moved since its last poll, or the connector keeps none. False means
+        the drain would change nothing, so it is skipped."""
+        return self._completions is None or self._completions() != self._completions_seen
 
     def _states_complete(self, req) -> bool:
         """spec/manager.md §4.7: every state row holds its live page and, with caching, a successor."""
@@ -240,7 +246,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         self._check_no_rewind(op, req, ctx)  # spec/manager.md §11.21
         if req.dummy:
             return self._size_dummy(req)
-        if self._offloads:
+        if self._offloads and self._completions_moved():
             self._drain()  # spec/manager.md §9.2: finished transfers land before anything is sized
         leaf_id = self._conn_leaf
         pool = self._pools[0][leaf_id]

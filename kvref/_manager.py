@@ -1736,27 +1736,42 @@ class PagedKVCacheManager:
             raise errors[0]
 
     def _post_offloads(self) -> None:
-        """Post queued offload runs, truncated at the first evicted hash (spec/manager.md §9.2)."""
+        """Post queued offload runs, truncated at the first evicted hash (spec/manager.md §9.2): with
+        one full leaf, the surviving runs of a replica go out in one ``connector.offload`` (queue
+        order), each run keeping its own record of pins on the shared handle."""
         for r in range(self._dp):
             queue, self._offload_queue[r] = self._offload_queue[r], []
-            pool = self._pools[r][self._conn_leaf]
-            for hashes, toks in queue:
-                if not self._simple:
+            if not queue:
+                continue
+            if not self._simple:
+                for hashes, toks in queue:
                     self._post_leaf_offload(r, hashes, toks)  # spec/manager.md §9.8: every leaf
-                    continue
+                continue
+            pool = self._pools[r][self._conn_leaf]
+            runs = []
+            for hashes, toks in queue:
                 # one batched lookup: the run's pages, up to the first evicted hash
                 pages = pool.lookup_run(hashes, toks.reshape(-1))
-                if not pages:
-                    continue
-                n = len(pages)
-                pool.touch_many(pages)
-                self._pins[r].update(pages)  # one pin per page per offload
-                try:
-                    handle = self._connector.offload(pages, hashes[:n], toks[:n], r)
-                    done = handle.is_complete()
-                except Exception:
-                    self._metrics.connector_offload_blocks_dropped += len(pages)
-                    done = True
+                if pages:
+                    n = len(pages)
+                    pool.touch_many(pages)
+                    self._pins[r].update(pages)  # one pin per page per run
+                    runs.append((pages, hashes[:n], toks[:n]))
+            if not runs:
+                continue
+            if len(runs) == 1:
+                ids, hs, toks = runs[0]
+            else:
+                ids = [b for pages, _, _ in runs for b in pages]
+                hs = [h for _, run_hashes, _ in runs for h in run_hashes]
+                toks = np.concatenate([t for _, _, t in runs])
+            try:
+                handle = self._connector.offload(ids, hs, toks, r)
+                done = handle.is_complete()
+            except Exception:
+                self._metrics.connector_offload_blocks_dropped += len(ids)
+                done = True
+            for pages, _, _ in runs:  # unpinned run by run, each tail first, when the handle completes
                 if done:
                     self._unpin(r, pages)
                 else:
