@@ -22,8 +22,10 @@ is decided at construction:
   forward's inputs (``runtime_inputs``: the batch's checks and one lookup table
   per leaf in a few C-level passes);
 * one full-attention leaf besides: the one-block commit of a decode step, the
-  release (claim and free in one kernel pass, ``BlockPool.retain_free``), and,
-  without a connector, ``claim`` and the admission's splice on one replica.
+  release (claim and free in one kernel pass, ``BlockPool.retain_free``), the
+  admission's splice (when no peer replica holds the block after the local run and
+  the tiers hold nothing past it: one connector lookup), and, without a connector,
+  ``claim``.
 
 The lanes read one field of the request record, ``settled`` (no load of its
 own, no external stage due, not a dummy row; spec/manager.md §2), instead of
@@ -107,10 +109,11 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         self._lane = not params.num_draft_tokens and not params.page_scales_shape
         # One full leaf: the commit of a step, the release and the admission's splice have lanes too.
         self._single = self._lane and len(self._leaves) == 1 and self._leaves[0].kind is LeafKind.FULL
-        # claim only without a connector; the splice (the reuse point) of one replica only: with peers
-        # it takes the policy's cross-replica hit (spec/manager.md §7.3).
+        # claim only without a connector; the admission's splice on any replica, when no peer holds
+        # the block after the local run (else the policy's cross-replica hit, spec/manager.md §7.3)
+        # and the tiers hold nothing past it (else the policy's load, spec/manager.md §9.3).
         self._fast = self._single and not self._uses_connector
-        self._fast_splice = self._single and self._dp == 1
+        self._fast_splice = self._single
         self._anchor_id = self._anchor.leaf_id  # every paged row has its length (spec/manager.md §4.6)
         #: several leaves: the paged leaves in leaf order (the order the policy draws their pages in)
         self._grow_ids = [] if self._single else list(self._paged_ids)
@@ -249,7 +252,8 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         if self._offloads and self._completions_moved():
             self._drain()  # spec/manager.md §9.2: finished transfers land before anything is sized
         leaf_id = self._conn_leaf
-        pool = self._pools[0][leaf_id]
+        r = req.replica
+        pool = self._pools[r][leaf_id]
         row = req.rows[leaf_id]
         page = self._page
         splice = self._caching and ctx.processed_length == 0 and not row
@@ -262,6 +266,10 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             # spec/manager.md §3.2: hits are verified against the context's own int32 tokens (never the hash input).
             hits = pool.lookup_run(hashes[:cap], ctx._tokens[: cap * page]) if cap else []
             k = have = len(hits)
+            if k < cap and self._dp > 1 and self._peer_source(r, hashes[k], ctx._tokens[k * page : (k + 1) * page]):
+                # spec/manager.md §7.3: a peer holds the next block, the hit reaches past the local
+                # run (copies): the policy's
+                return super().alloc(ctx, defer_lookup=defer_lookup)
         else:
             have = len(row)
         need = max(-(-ctx.current_position // page) - have, 0)
@@ -274,14 +282,14 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                 return super().alloc(ctx)  # spec/manager.md §4 step 6: the policy may wait for them
             raise InsufficientBlocksError(
                 f"alloc: request_id={ctx.request_id!r} needs {need} blocks of leaf {leaf_id!r}, "
-                f"{free} free or evictable on replica 0"
+                f"{free} free or evictable on replica {r}"
             )
         # spec/manager.md §9.3: the external stage (the connector in use, a fresh splice, blocks
         # past the hit): one lookup; a load goes to the policy with the answer held (spec/manager.md §9.4), so
         # the connector is asked once.
         ext = conn and k < len(hashes)
         if ext:
-            n = self._lookup(op, 0, hashes, ctx.tokens, k)  # TypeError for a bad answer, nothing changed
+            n = self._lookup(op, r, hashes, ctx.tokens, k)  # TypeError for a bad answer, nothing changed
             if min(n, len(hashes) - k, (ctx.current_position - k * page - 1) // page) > 0:
                 req.lookup = (k, n)
                 try:
@@ -308,7 +316,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         if need:
             row.extend(pool.allocate_array(need).tolist())
         if conn and k:
-            self._tier_touch(0, hashes[:k])  # spec/manager.md §4.8: the device hit re-ranked in the tiers
+            self._tier_touch(r, hashes[:k])  # spec/manager.md §4.8: the device hit re-ranked in the tiers
         # spec/manager.md §4.9: input_tokens counts each forward's active tokens once.
         if req.counted_gen == req.step_gen:
             m.input_tokens += ctx.active_length - req.counted_active
