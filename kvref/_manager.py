@@ -720,8 +720,8 @@ class PagedKVCacheManager:
             is rolled back; ctx, counts and metrics are as before.
         """
         req = self._requests.get(ctx.request_id) if type(ctx) is TextContext else None
-        if (req is not None and req.ctx is ctx and defer_lookup is False and req.load is None
-                and not req.ext_point and not req.dummy and not self._closed and len(ctx) <= self._max_seq_len
+        if (req is not None and req.ctx is ctx and defer_lookup is False and req.settled
+                and not self._closed and len(ctx) <= self._max_seq_len
                 and req.rows[self._anchor.leaf_id] and ctx._processed >= req.committed * self._page):
             # spec/manager.md §4 for a request past its admission (it holds pages, no load, no external
             # stage due): the drain (step 2), the sizing (step 6) and the count (step 9) only.

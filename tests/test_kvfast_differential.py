@@ -308,6 +308,12 @@ class ManagerDiff(RuleBasedStateMachine):
         ref, fast = self.sides
         ref.check_invariants()
         fast.check_invariants()
+        for m in self.sides:  # spec/manager.md §2.6: one field keeps the lifecycle's test
+            for q in m._requests.values():
+                assert q.settled == (not q.dummy and q.load is None and not q.ext_point and q.lookup is None
+                                     and not q.lookup_pending), q
+                assert q.phase in ("dummy", "admitting", "loading", "running"), q
+                assert (q.phase == "running") == (q.settled and any(q.rows.values())), q
         for r in range(self.params.data_parallel_degree):
             assert ref.block_count(r) == fast.block_count(r)
             assert ref.pressure_pct(r) == fast.pressure_pct(r)
