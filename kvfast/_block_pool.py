@@ -405,7 +405,7 @@ class BlockPool:
 
         Parameters
         ----------
-        blocks : int64 [n]
+        blocks : int64 [n] or sequence of int
             Pages the caller references once each (a request's row, tail first).
         priority : int
             ``0 .. 100``.
@@ -420,8 +420,10 @@ class BlockPool:
         """
         priority = _ret.check_priority("BlockPool.retain_free", priority, "priority")
         expiry = _check_expiry(expiry)
-        if not isinstance(blocks, np.ndarray) or blocks.dtype != np.int64 or blocks.ndim != 1:
-            raise TypeError(f"BlockPool.retain_free: blocks={type(blocks).__name__}, must be an int64 [n] array")
+        if type(blocks) is list:
+            blocks = np.fromiter(blocks, np.int64, len(blocks))
+        elif not isinstance(blocks, np.ndarray) or blocks.dtype != np.int64 or blocks.ndim != 1:
+            blocks = np.asarray(list(blocks), dtype=np.int64).reshape(-1)
         if blocks.size == 0:
             return
         timed = self._ttl or expiry != _ret.NEVER  # as set_retention: a finite claim starts the clock

@@ -40,7 +40,6 @@ import numpy as np
 
 import kvref
 from kvspec import hashing
-from kvspec.retention import expiry_of
 from kvspec._config import parse_device
 from kvspec._manager_types import (
     CompletedTransfer,
@@ -546,12 +545,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         if row:
             # spec/manager.md §6: tail first, so a chain's tail is evicted before its head.
             pages = np.fromiter(reversed(row), np.int64, len(row))
-            pool = self._pools[req.replica][self._conn_leaf]
-            if self._caching:  # spec/manager.md §14.2: the request's claim on its pages, then its references
-                c = req.ctx
-                pool.retain_free(pages, c._retention_priority, expiry_of(c._retention_seconds, self._clock))
-            else:
-                pool.free(pages)
+            self._let_go(self._pools[req.replica][self._conn_leaf], pages, req.ctx)  # spec/manager.md §14.2
         if self._uses_connector and req.committed:
             self._tier_touch(req.replica, req.hashes[: req.committed])
             self._tier_retain(req.replica, req.hashes[: req.committed], req.ctx)  # spec/manager.md §14.9

@@ -368,6 +368,13 @@ class BlockPool:
 
     # ------------------------------------------------------------------ retention (spec/manager.md §14)
 
+    def retain_free(self, blocks: Iterable[int], priority: int, expiry: float) -> None:
+        """:meth:`set_retention` of ``(priority, expiry)`` on ``blocks``, then :meth:`free` of them
+        (a request's claim on the pages it lets go, then its references: spec/manager.md §14.2, §6)."""
+        blocks = list(blocks)
+        self.set_retention(blocks, priority, expiry)
+        self.free(blocks)
+
     def set_retention(self, blocks: Iterable[int], priority: int, expiry: float) -> None:
         """Merge the claim ``(priority, expiry)`` into each **published** block of ``blocks``.
 

@@ -674,9 +674,7 @@ class PagedKVCacheManager:
         if req.load is not None:
             req.load.request_id = None
         for leaf in self._leaves:
-            pages = list(reversed(req.rows[leaf.leaf_id]))
-            self._retain(self._pools[r][leaf.leaf_id], pages, req.ctx)  # spec/manager.md §14.2
-            self._pools[r][leaf.leaf_id].free(pages)
+            self._let_go(self._pools[r][leaf.leaf_id], list(reversed(req.rows[leaf.leaf_id])), req.ctx)
         if self._uses_connector and req.committed:
             self._tier_touch(r, req.hashes[: req.committed])
             self._tier_retain(r, req.hashes[: req.committed], req.ctx)  # spec/manager.md §14.9
@@ -1562,10 +1560,14 @@ class PagedKVCacheManager:
             toks = np.array(tokens[: (stop - lo) * page], dtype=np.int32).reshape(stop - lo, page)
             self._offload_queue[r].append((hashes[lo:stop], toks))
 
-    def _retain(self, pool, pages, ctx: TextContext) -> None:
-        """spec/manager.md §14.2: merge the request's retention claim into its published ``pages``."""
+    def _let_go(self, pool, pages, ctx: TextContext) -> None:
+        """The request lets go of ``pages`` (in the order given): its retention claim merged into
+        the published ones (spec/manager.md §14.2), then its references dropped (spec/manager.md §6); one engine
+        call (``retain_free``)."""
         if self._caching and len(pages):
-            pool.set_retention(pages, ctx._retention_priority, expiry_of(ctx._retention_seconds, self._clock))
+            pool.retain_free(pages, ctx._retention_priority, expiry_of(ctx._retention_seconds, self._clock))
+        else:
+            pool.free(pages)
 
     def _parent_published(self, req: _Request, i: int) -> bool:
         """spec/manager.md §5.1: block ``i`` may be published, or switched to a twin, only
@@ -1610,8 +1612,7 @@ class PagedKVCacheManager:
                 buf = self._buffers[req.replica][leaf.leaf_id]
                 self._engine.copy_page(buf, succ, buf, live)
             pool.publish(live, h, toks)
-            self._retain(pool, [live], ctx)  # spec/manager.md §14.2
-            pool.free([live])
+            self._let_go(pool, [live], ctx)  # spec/manager.md §14.2
             req.rows[leaf.leaf_id] = [succ]
 
     def _slide(self, req: _Request, ctx: TextContext) -> None:
@@ -1622,8 +1623,7 @@ class PagedKVCacheManager:
                 continue
             row = req.rows[leaf.leaf_id]
             # spec/manager.md §5.3: freed tail first, nulled in place (row index = same tokens in every leaf).
-            self._retain(self._pools[req.replica][leaf.leaf_id], row[lo:cut], ctx)  # spec/manager.md §14.2
-            self._pools[req.replica][leaf.leaf_id].free(list(reversed(row[lo:cut])))
+            self._let_go(self._pools[req.replica][leaf.leaf_id], row[lo:cut][::-1], ctx)  # spec/manager.md §14.2
             row[lo:cut] = [NULL_BLOCK] * (cut - lo)
             req.nulled[leaf.leaf_id] = cut
 

@@ -548,6 +548,17 @@ class Slab:
         # spec/manager.md §13.2: a block whose last page went idle parks (typed, commits kept), in order
         self.table.drop_idle(blocks, ratio, inner.ref_count)
 
+    def retain_free(self, leaf_id: str, blocks: Iterable[int], priority: int, expiry: float) -> None:
+        """:meth:`free` after the claim ``(priority, expiry)`` on ``blocks`` (the inner pool does both)."""
+        inner, ratio = self.inner[leaf_id], self.ratios[leaf_id]
+        if type(blocks) is not list:
+            blocks = list(blocks)
+        if not blocks:
+            return
+        inner.retain_free(blocks, priority, expiry)
+        # spec/manager.md §13.2: a block whose last page went idle parks (typed, commits kept), in order
+        self.table.drop_idle(blocks, ratio, inner.ref_count)
+
     def touch(self, leaf_id: str, b: int) -> None:
         inner = self.inner[leaf_id]
         if b != 0 and inner.ref_count[b] == 0:
@@ -684,6 +695,9 @@ class SlabLeafPool:
 
     def free(self, blocks: Iterable[int]) -> None:
         self.slab.free(self.leaf_id, blocks)
+
+    def retain_free(self, blocks: Iterable[int], priority: int, expiry: float) -> None:
+        self.slab.retain_free(self.leaf_id, blocks, priority, expiry)
 
     def touch(self, block: int) -> None:
         if block == 0:

@@ -75,10 +75,23 @@ def test_retain_free_bad_input_changes_nothing():
     before = _state(pool)
     with pytest.raises(IndexError, match=r"^BlockPool.retain_free: block 8 out of range 0..7$"):
         pool.retain_free(np.array(pages + [8], np.int64), 35, np.inf)
-    with pytest.raises(TypeError, match=r"blocks=list, must be an int64 \[n\] array"):
-        pool.retain_free(pages, 35, np.inf)
     with pytest.raises(ValueError, match="priority"):
         pool.retain_free(np.array(pages, np.int64), 101, np.inf)
     assert _state(pool) == before
-    pool.retain_free(np.array(pages[::-1], np.int64), 35, np.inf)
+    pool.retain_free(pages[::-1], 35, np.inf)  # a list works as an int64 array does
     assert pool.num_free == 7
+
+
+def test_reference_retain_free_is_the_two_calls():
+    """kvref's engine defines the operation as the two calls (spec/kvspec/engine BlockPool)."""
+    import kvref
+
+    a, b = kvref.BlockPool(10), kvref.BlockPool(10)
+    for pool in (a, b):
+        pages = [int(x) for x in pool.allocate(4)]
+        pool.publish(pages[0], b"h" * 32, np.arange(4, dtype=np.int32))
+    row = pages[::-1]
+    a.set_retention(row, 80, np.inf)
+    a.free(row)
+    b.retain_free(row, 80, np.inf)
+    assert a.free_order() == b.free_order() and a.retention(pages[0]) == b.retention(pages[0]) == (80, np.inf)

@@ -126,6 +126,12 @@ class BlockPool(Protocol):
         priority the later expiry (``kvspec.retention.merge``). A free block moves to the
         back of its new level. ``TypeError`` / ``ValueError`` / ``IndexError`` before any change."""
 
+    def retain_free(self, blocks: Sequence[int], priority: int, expiry: float) -> None:
+        """``set_retention(blocks, priority, expiry)`` then ``free(blocks)``: a holder's claim on
+        the pages it lets go, then its references (a release or a slide, spec/manager.md §14.2,
+        §6). The caller references each block, so the claims move nothing; an engine may do both
+        in one pass. ``TypeError`` / ``ValueError`` / ``IndexError`` before any change."""
+
     def retention(self, block: int) -> tuple[int, float]:
         """The claim of ``block``: ``(priority, expiry)``, ``(-1, inf)`` without one."""
 
