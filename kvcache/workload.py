@@ -396,35 +396,12 @@ def _trace_tokens_numpy(seed: int, domain: int, keys, length: int, stride: int) 
     return (mixed % _U64(_TRACE_TOKEN_MOD) + _U64(1)).astype(np.int32)
 
 
-_MIX = None
-
-
 def _mix_tokens():
-    """The Numba kernel behind :func:`_trace_tokens` (compiled on first use, cached on disk)."""
-    global _MIX
-    if _MIX is None:
-        import numba
+    """The Numba kernel behind :func:`_trace_tokens` (:mod:`kvcache._trace_kernels`, compiled on
+    first use, cached on disk)."""
+    from ._trace_kernels import mix_tokens
 
-        @numba.njit(cache=True, nogil=True)
-        def mix(keys, length, stride, base, mod, out):  # pragma: no cover - compiled
-            one = np.uint64(1)
-            c0 = np.uint64(0x9E3779B97F4A7C15)
-            c1 = np.uint64(0xBF58476D1CE4E5B9)
-            c2 = np.uint64(0x94D049BB133111EB)
-            s30, s27, s31 = np.uint64(30), np.uint64(27), np.uint64(31)
-            pos = 0
-            for a in range(keys.size):
-                k = keys[a] * stride
-                for j in range(length):
-                    x = ((k + np.uint64(j)) ^ base) + c0
-                    x = (x ^ (x >> s30)) * c1
-                    x = (x ^ (x >> s27)) * c2
-                    x = x ^ (x >> s31)
-                    out[pos] = np.int32(x % mod + one)
-                    pos += 1
-
-        _MIX = mix
-    return _MIX
+    return mix_tokens
 
 
 def _trace_requests(records: list[tuple[int, dict]], seed: int) -> list[Request]:
@@ -460,54 +437,13 @@ def _trace_requests(records: list[tuple[int, dict]], seed: int) -> list[Request]
     return reqs
 
 
-_ASSEMBLE = None
-
-
 def _assemble_kernel():
-    """The Numba kernel of :func:`_trace_requests` (compiled on first use, cached on disk).
+    """The Numba kernel of :func:`_trace_requests` (:func:`kvcache._trace_kernels.assemble_request`:
+    a request's shared blocks, its private tail and its outputs, the mapping of
+    :func:`_trace_request`)."""
+    from ._trace_kernels import assemble_request
 
-    Fills one request's ``out`` (``n_in`` prompt tokens, then ``n_out`` output tokens): its shared
-    blocks ``ids`` (token ``j`` of id ``h``: the mix of ``h * 512 + j`` under the block base), its
-    partial tail (private tokens ``0 .. tail - 1``) and its outputs (private tokens
-    ``512 .. 512 + n_out - 1``), private token ``j`` of line ``L`` being the mix of
-    ``L * 2**32 + j`` under the private base (as in :func:`_trace_request`)."""
-    global _ASSEMBLE
-    if _ASSEMBLE is None:
-        import numba
-
-        @numba.njit(cache=True, nogil=True)
-        def assemble(ids, line, n_in, n_out, block_base, private_base, mod, out):  # pragma: no cover - compiled
-            B = 512
-            one = np.uint64(1)
-            c0 = np.uint64(0x9E3779B97F4A7C15)
-            c1 = np.uint64(0xBF58476D1CE4E5B9)
-            c2 = np.uint64(0x94D049BB133111EB)
-            s30, s27, s31 = np.uint64(30), np.uint64(27), np.uint64(31)
-            pos = 0
-            for b in range(ids.size):
-                k = ids[b] * np.uint64(B)
-                for j in range(B):
-                    x = ((k + np.uint64(j)) ^ block_base) + c0
-                    x = (x ^ (x >> s30)) * c1
-                    x = (x ^ (x >> s27)) * c2
-                    x = x ^ (x >> s31)
-                    out[pos] = np.int32(x % mod + one)
-                    pos += 1
-            k = line << np.uint64(32)
-            m = n_in - ids.size * B  # private prompt tokens (the partial tail)
-            for part in range(2):
-                lo = 0 if part == 0 else B
-                hi = m if part == 0 else B + n_out
-                for j in range(lo, hi):
-                    x = ((k + np.uint64(j)) ^ private_base) + c0
-                    x = (x ^ (x >> s30)) * c1
-                    x = (x ^ (x >> s27)) * c2
-                    x = x ^ (x >> s31)
-                    out[pos] = np.int32(x % mod + one)
-                    pos += 1
-
-        _ASSEMBLE = assemble
-    return _ASSEMBLE
+    return assemble_request
 
 
 def _trace_request(lineno: int, rec: dict, seed: int) -> Request:

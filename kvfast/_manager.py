@@ -108,11 +108,10 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         self._lane = not params.num_draft_tokens and not params.page_scales_shape
         # One full leaf: the commit of a step, the release and the admission's splice have lanes too.
         self._single = self._lane and len(self._leaves) == 1 and self._leaves[0].kind is LeafKind.FULL
-        # claim only without a connector; the admission's splice on any replica, when no peer holds
-        # the block after the local run (else the policy's cross-replica hit, spec/manager.md §7.3)
-        # and the tiers hold nothing past it (else the policy's load, spec/manager.md §9.3).
+        # The admission's splice serves any replica, when no peer holds the block after the local run
+        # (else the policy's cross-replica hit, spec/manager.md §7.3) and the tiers hold nothing past
+        # it (else the policy's load, spec/manager.md §9.3); claim only without a connector.
         self._fast = self._single and not self._uses_connector
-        self._fast_splice = self._single
         self._anchor_id = self._anchor.leaf_id  # every paged row has its length (spec/manager.md §4.6)
         #: several leaves: the paged leaves in leaf order (the order the policy draws their pages in)
         self._grow_ids = [] if self._single else list(self._paged_ids)
@@ -232,7 +231,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         """The admission of one full leaf on one replica (spec/manager.md §4): the splice of the
         device hit, the sizing and, with a connector, the external stage when the tiers hold
         nothing past the hit (one lookup); anything else is the policy's."""
-        if not self._fast_splice or self._loads:
+        if not self._single or self._loads:
             return super().alloc(ctx, defer_lookup=defer_lookup)
         op = "alloc"
         # spec/manager.md §4.1: every argument is checked before the stored context may be replaced.
@@ -553,5 +552,5 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
     def shutdown(self) -> None:
         """Post queued offloads, wait for every transfer, close the connector (same contract as the
         reference); the fast lanes close with the manager (spec/manager.md §9.7)."""
-        self._fast = self._fast_splice = self._lane = self._single = False
+        self._fast = self._lane = self._single = False
         super().shutdown()
