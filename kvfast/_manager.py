@@ -37,8 +37,6 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
-
-import kvref
 from kvspec import hashing
 from kvspec._config import parse_device
 from kvspec._manager_types import (
@@ -51,6 +49,8 @@ from kvspec._manager_types import (
     TextContext,
 )
 from kvspec.errors import InsufficientBlocksError
+
+import kvref
 
 from ._manager_engine import CudaManagerEngine, FastManagerEngine
 from ._slot_cache import require_cuda

@@ -115,6 +115,20 @@ def _claim_front(prev, next_, parked, owner, parked_typed, head, leaf, hs, prevs
         prevs[i] = o
 
 
+@njit(nogil=True, cache=True)
+def _claim_run(prev, next_, parked, owner, head, h0, h1, leaf):
+    """Unlink the run ``h0 .. h1-1`` at the front of the parked queue (pristine, consecutive) and
+    type it to ``leaf``."""
+    after = next_[h1 - 1]
+    next_[head] = after
+    prev[after] = head
+    for h in range(h0, h1):
+        prev[h] = -1
+        next_[h] = -1
+        parked[h] = False
+        owner[h] = leaf
+
+
 _NO_REFS = np.zeros(1, np.int32)
 
 
@@ -151,6 +165,7 @@ def _warm() -> None:
     _take_pages(prev, nxt, parked, owner, live, typed, hs, 1, rc, True)
     _drop_idle(prev, nxt, parked, owner, live, typed, n + 1, hs, 1, rc)
     _claim_front(prev, nxt, parked, owner, typed, n, 0, np.empty(0, np.int32), np.empty(0, np.int32))
+    _claim_run(prev, nxt, parked, owner, n, 1, 1, 0)  # an empty run (the scratch arrays only)
     _warmed = True
 
 
@@ -275,19 +290,13 @@ class FastSlabTable:
     def claim_pristine(self, leaf: int, k: int) -> range:
         """Up to ``k`` pristine blocks off the queue's front, typed to ``leaf``: the pristine blocks
         are the ids ``front .. num_huge_blocks-1`` at the front in order (``kvspec.engine.SlabTable``),
-        so the run is unlinked with a few slice writes."""
-        h0 = self.front()
-        if h0 == 0 or self.owner[h0] != PRISTINE or k <= 0:
+        so the run is unlinked in one pass."""
+        h0 = int(self._next[self._head])
+        if h0 == self._tail or self.owner[h0] != PRISTINE or k <= 0:
+            h0 = 0 if h0 == self._tail else h0
             return range(h0, h0)
         h1 = min(h0 + k, self.num_huge_blocks)
-        prv, nxt = self._prev, self._next
-        after = nxt[h1 - 1]
-        nxt[self._head] = after
-        prv[after] = self._head
-        prv[h0:h1] = -1
-        nxt[h0:h1] = -1
-        self._parked[h0:h1] = False
-        self.owner[h0:h1] = leaf
+        _claim_run(self._prev, self._next, self._parked, self.owner, self._head, h0, h1, leaf)
         self._num_parked -= h1 - h0
         return range(h0, h1)
 
@@ -306,27 +315,32 @@ class FastSlabTable:
         return hs.tolist(), prevs.tolist()
 
     def take_pages(self, pages, ratio: int) -> None:
-        if not len(pages):
+        n = len(pages)
+        if n <= 1:
+            if n:
+                self.take([pages[0] // ratio])
             return
-        if len(pages) == 1:
-            self.take([pages[0] // ratio])
-            return
+        arr = np.fromiter(pages, np.int64, n) if type(pages) is list else _pages(pages)
         self._num_parked -= _take_pages(self._prev, self._next, self._parked, self.owner, self.live,
-                                        self._parked_typed, _pages(pages), ratio, _NO_REFS, False)
+                                        self._parked_typed, arr, ratio, _NO_REFS, False)
 
     def take_idle(self, pages, ratio: int, ref_count) -> None:
-        if not isinstance(ref_count, np.ndarray) or len(pages) <= 1:
+        n = len(pages)
+        if n <= 1 or not isinstance(ref_count, np.ndarray):
             self.take([b // ratio for b in pages if ref_count[b] == 0])
             return
+        arr = np.fromiter(pages, np.int64, n) if type(pages) is list else _pages(pages)
         self._num_parked -= _take_pages(self._prev, self._next, self._parked, self.owner, self.live,
-                                        self._parked_typed, _pages(pages), ratio, ref_count, True)
+                                        self._parked_typed, arr, ratio, ref_count, True)
 
     def drop_idle(self, pages, ratio: int, ref_count) -> None:
-        if not isinstance(ref_count, np.ndarray) or len(pages) <= 1:
+        n = len(pages)
+        if n <= 1 or not isinstance(ref_count, np.ndarray):
             self.drop([b // ratio for b in pages if b and ref_count[b] == 0])
             return
+        arr = np.fromiter(pages, np.int64, n) if type(pages) is list else _pages(pages)
         self._num_parked += _drop_idle(self._prev, self._next, self._parked, self.owner, self.live,
-                                       self._parked_typed, self._tail, _pages(pages), ratio, ref_count)
+                                       self._parked_typed, self._tail, arr, ratio, ref_count)
 
     def parked_order(self) -> list[int]:
         out, nxt, h = [], self._next, int(self._next[self._head])

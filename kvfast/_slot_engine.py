@@ -143,6 +143,8 @@ class FastSlotEngine(ReferenceSlotEngine):
         self._empty_table = np.zeros((1, 1), np.int32)
         #: (id(K), id(V)) -> (K, V, K words, V words, word, rows, block_size, block_stride, row_stride)
         self._pairs: dict[tuple[int, int], tuple] = {}
+        #: FP8 dtype name -> the float32 value of every bit pattern, on this engine's device (made on first use)
+        self._fp8_tables: dict[str, object] = {}
         #: the Numba step and copy kernels, bound once (compiled or loaded from the on-disk cache on first use)
         self._k = _step()
         self._c = _copy()
@@ -284,7 +286,7 @@ class FastSlotEngine(ReferenceSlotEngine):
 
     def _fp8_table(self, name: str):
         """The float32 value of every FP8 bit pattern (on this engine's device), made once."""
-        tables = self.__dict__.setdefault("_fp8_tables", {})
+        tables = self._fp8_tables
         if name not in tables:
             tables[name] = self._device_table(fp8_decode_table(name))
         return tables[name]

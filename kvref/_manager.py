@@ -674,7 +674,7 @@ class PagedKVCacheManager:
         if req.load is not None:
             req.load.request_id = None
         for leaf in self._leaves:
-            self._let_go(self._pools[r][leaf.leaf_id], list(reversed(req.rows[leaf.leaf_id])), req.ctx)
+            self._let_go(self._pools[r][leaf.leaf_id], req.rows[leaf.leaf_id][::-1], req.ctx)
         if self._uses_connector and req.committed:
             self._tier_touch(r, req.hashes[: req.committed])
             self._tier_retain(r, req.hashes[: req.committed], req.ctx)  # spec/manager.md §14.9
@@ -826,11 +826,7 @@ class PagedKVCacheManager:
 
     def _at_reuse_point(self, req: _Request, ctx: TextContext) -> bool:
         # spec/manager.md §3.3: reuse only while the request holds no pages and nothing is processed.
-        return (
-            self._caching
-            and ctx.processed_length == 0
-            and all(not row for row in req.rows.values())
-        )
+        return self._caching and ctx.processed_length == 0 and not any(req.rows.values())
 
     def _plan_alloc(self, req: _Request, ctx: TextContext, defer_lookup: bool) -> _AllocPlan:
         """spec/manager.md §4 steps 4-8 decided without changing anything: the splice
@@ -847,7 +843,7 @@ class PagedKVCacheManager:
         touched: dict[str, set[int]] = {}  # leaf -> hit pages the splice takes
         pops: list[int] = []  # pages the peer copies draw, in order (spec/manager.md §7.3)
         if self._at_reuse_point(req, ctx):
-            touched = {leaf.leaf_id: set() for leaf in self._leaves}
+            touched = {}
             tokens = ctx.tokens
             hashes = self._hashes_for(ctx, req.hashes)
             cap = min(len(hashes), (ctx.active_length - 1) // page)
@@ -857,7 +853,7 @@ class PagedKVCacheManager:
             for leaf in self._leaves:  # spec/manager.md §4.5: each leaf's part of the hit
                 pages = leaf.hit_pages(k, resident[leaf.leaf_id])
                 leaf.plan_hit(plan, k, pages)
-                touched[leaf.leaf_id].update(pages)
+                touched[leaf.leaf_id] = set(pages)
             if reach > local and not self._simple:
                 k = self._plan_peer_leaves(ctx, r, plan, touched, resident, hashes, tokens, local, reach)
             elif reach > local:
@@ -965,7 +961,7 @@ class PagedKVCacheManager:
             k, local, hashes = plan.k, plan.local, plan.hashes
             for leaf in self._leaves:
                 leaf.commit_hit(req, plan, pools[leaf.leaf_id], local)
-            for leaf in (self._paged_leaves if plan.leaf_peer or not self._simple else ()):
+            for leaf in (self._paged_leaves if k > local and (plan.leaf_peer or not self._simple) else ()):
                 # spec/manager.md §7.3 with several leaves: blocks past the local hit held locally
                 # are taken; the slots a peer copy fills (None) get the sizing's first pages below.
                 row, pool = req.rows[leaf.leaf_id], pools[leaf.leaf_id]
@@ -1512,8 +1508,13 @@ class PagedKVCacheManager:
         if errors:
             raise errors[0]
         req.step_gen += 1
-        if req.ext_point or req.lookup is not None or req.lookup_pending:
-            req.ext_point, req.lookup, req.lookup_pending = False, None, False
+        # the admission's flags cleared (only those set: each write re-derives req.settled)
+        if req.ext_point:
+            req.ext_point = False
+        if req.lookup is not None:
+            req.lookup = None
+        if req.lookup_pending:
+            req.lookup_pending = False
         if req.load is not None:
             if req.load.state == "failed":
                 req.ran_past = True  # spec/manager.md §9.6: the forward read pages that never landed
@@ -1540,20 +1541,23 @@ class PagedKVCacheManager:
             return
         tokens = ctx.tokens[lo * page : end * page]
         stop = end
+        rows, pools, anchor = req.rows, self._pools[r], self._anchor
         for leaf in self._commit_order:  # the anchor first: nothing past its stop is published
-            row, pool = req.rows[leaf.leaf_id], self._pools[r][leaf.leaf_id]
-            kept = pool.publish_run(row[lo:stop], hashes[lo:stop], tokens[: (stop - lo) * page])
-            twins = [j for j, c in enumerate(kept) if c != row[lo + j]]
-            if twins:  # spec/manager.md §5.1: twin dedup, keep the published copies (same chain)
-                # One touch_many of the twins (distinct: one chain), then one free of our copies in
+            lid = leaf.leaf_id
+            row, pool = rows[lid], pools[lid]
+            mine = row[lo:stop]
+            kept = pool.publish_run(mine, hashes[lo:stop], tokens if stop == end else tokens[: (stop - lo) * page])
+            if kept != mine[: len(kept)]:  # one list compare: the loop runs only when a twin exists
+                # spec/manager.md §5.1: twin dedup, keep the published copies (same chain). One
+                # touch_many of the twins (distinct: one chain), then one free of our copies in
                 # order: the same state as touch(c), free([b]) page by page (a twin is published, our
                 # copy is not, so neither call moves the other's page).
-                ours = [row[lo + j] for j in twins]
+                twins = [j for j, c in enumerate(kept) if c != mine[j]]
                 pool.touch_many([kept[j] for j in twins])
                 for j in twins:
                     row[lo + j] = kept[j]
-                pool.free(ours)
-            if leaf is self._anchor:
+                pool.free([mine[j] for j in twins])
+            if leaf is anchor:
                 stop = lo + len(kept)  # a collision: block stop is retried at the next step
         req.committed = stop
         if stop > lo and self._uses_connector:

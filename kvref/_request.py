@@ -8,7 +8,7 @@ stage of its admission); ``_Load`` / ``_Offload``: transfers in flight;
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np

@@ -53,6 +53,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from kvspec.engine import PRISTINE
 from kvspec.errors import CapacityError
@@ -501,12 +502,15 @@ class Slab:
         return inner.unpublished_run(1) == 0
 
     def allocate_one(self, leaf_id: str) -> int:
-        if self.num_free(leaf_id) < 1:
+        inner, ratio, t = self.inner[leaf_id], self.ratios[leaf_id], self.table
+        free, parked = inner.num_free, t.num_parked
+        if free + (parked - t.parked_typed(self._index[leaf_id])) * ratio < 1:  # num_free(leaf_id)
             raise CapacityError(f"BlockPool.allocate: needs 1 blocks of leaf {leaf_id!r}, 0 free or evictable")
-        if self._wants_claim(leaf_id):
+        # _wants_claim, inlined (a decode step's page)
+        if not free or (parked and t.owner[t.front()] == PRISTINE and inner.unpublished_run(1) == 0):
             self._claim(leaf_id)
-        b = self.inner[leaf_id].allocate_one()
-        self.table.take([b // self.ratios[leaf_id]])  # un-parks a block typed to this leaf: taken back
+        b = inner.allocate_one()
+        t.take([b // ratio])  # un-parks a block typed to this leaf: taken back
         return b
 
     def allocate(self, leaf_id: str, n: int) -> list[int]:
@@ -517,22 +521,30 @@ class Slab:
         inner, ratio, t = self.inner[leaf_id], self.ratios[leaf_id], self.table
         out: list[int] = []
         while len(out) < n:
-            if self._wants_claim(leaf_id):
-                if t.owner[t.front()] == PRISTINE:
-                    # each pristine block's pages are popped before the next claim (they are
-                    # unpublished): claim as many as the rest needs at once, their pages in block
-                    # order at the front
-                    hs = t.claim_pristine(self._index[leaf_id], -(-(n - len(out)) // ratio))
-                    inner.grant(range(hs.start * ratio, hs.stop * ratio))
-                else:
-                    # No pristine block is left (they would be at the front), so the leaf claims
-                    # because its list is empty (no parked block is typed to it): it claims front
-                    # blocks until the rest is served, popping each whole before the next claim.
-                    self._claim(leaf_id, -(-(n - len(out)) // ratio))
-            k = min(n - len(out), inner.num_free)
-            if t.num_parked and t.owner[t.front()] == PRISTINE:
-                # a published front page would make the next draw claim: pop the unpublished run only
-                k = max(1, inner.unpublished_run(k))
+            rest, free = n - len(out), inner.num_free
+            pristine = bool(t.num_parked) and t.owner[t.front()] == PRISTINE
+            # With a pristine block parked, the unpublished run at the leaf's front is what it may pop
+            # before the next claim; none (its next free page is published) is _wants_claim's claim.
+            run = inner.unpublished_run(min(rest, free)) if pristine and free else 0
+            if run:
+                k = run
+            elif free and not pristine:
+                k = min(rest, free)
+            elif pristine:
+                # each pristine block's pages are popped before the next claim (they are
+                # unpublished): claim as many as the rest needs at once, their pages in block
+                # order at the front
+                hs = t.claim_pristine(self._index[leaf_id], -(-rest // ratio))
+                inner.grant(range(hs.start * ratio, hs.stop * ratio))
+                k = min(rest, inner.num_free)
+                if len(hs) * ratio < rest and t.num_parked and t.owner[t.front()] == PRISTINE:
+                    k = max(1, inner.unpublished_run(k))  # (not reached: fewer pristine blocks than asked)
+            else:
+                # No pristine block is left (they would be at the front), so the leaf claims
+                # because its list is empty (no parked block is typed to it): it claims front
+                # blocks until the rest is served, popping each whole before the next claim.
+                self._claim(leaf_id, -(-rest // ratio))
+                k = min(rest, inner.num_free)
             got = inner.allocate(k)
             t.take_pages(got, ratio)
             out += got
@@ -645,8 +657,17 @@ class SlabLeafPool:
         self.slab = slab
         self.leaf_id = leaf_id
         self.ratio = slab.ratios[leaf_id]
-        self.inner = slab.inner[leaf_id]
-        self.num_blocks = self.inner.num_blocks
+        self.inner = inner = slab.inner[leaf_id]
+        self.num_blocks = inner.num_blocks
+        # The prefix index is the inner pool's: its calls are the inner pool's own (bound here, no
+        # forwarding frame on the hot path).
+        self.lookup, self.lookup_run = inner.lookup, inner.lookup_run
+        self.publish, self.publish_run = inner.publish, inner.publish_run
+        self.count_free = inner.count_free
+        # The slab's policy calls for this leaf (partials: no forwarding frame per page drawn or freed).
+        self.allocate_one = partial(slab.allocate_one, leaf_id)
+        self.free = partial(slab.free, leaf_id)
+        self.retain_free = partial(slab.retain_free, leaf_id)
 
     # -- the inner pool's state, read-only
     block_hash = property(lambda self: self.inner.block_hash)

@@ -53,7 +53,7 @@ ops_strategy = st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6), st.sampl
        share=st.integers(0, 3))
 def test_retain_free_equals_set_retention_then_free(ops, prio, secs, share):
     a, held, now_a = _build(ops, 100.0)
-    b, _, now_b = _build(ops, 100.0)
+    b, _, _ = _build(ops, 100.0)
     if not held:
         return
     # a request's row, tail first; some pages also referenced by another holder (touched twice)

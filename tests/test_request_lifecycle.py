@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from kvspec import KVCacheParams, TextContext
 
 import kvfast
 import kvref
-from kvspec import KVCacheParams, TextContext
 from kvref._request import _Request
 
 
