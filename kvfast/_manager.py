@@ -113,9 +113,10 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         # it (else the policy's load, spec/manager.md §9.3); claim only without a connector.
         self._fast = self._single and not self._uses_connector
         self._anchor_id = self._anchor.leaf_id  # every paged row has its length (spec/manager.md §4.6)
-        #: several leaves: the paged leaves in leaf order (the order the policy draws their pages in)
-        self._grow_ids = [] if self._single else list(self._paged_ids)
-        #: recurrent leaves: a state row is complete with a live page and, with caching, a successor
+        #: several leaves: (leaf id, whether it is a state leaf) in leaf order, the order the policy
+        #: sizes and draws in
+        self._grow_order = [(leaf.leaf_id, leaf.kind is LeafKind.RECURRENT) for leaf in self._leaves]
+        #: recurrent leaves: a state row holds a live page and, with caching, a successor
         self._state_ids = [leaf.leaf_id for leaf in self._leaves if leaf.kind is LeafKind.RECURRENT]
         self._state_len = 2 if self._caching else 1
         #: sliding leaves: (leaf id, blocks in the window), for the decode step's no-slide test
@@ -168,13 +169,14 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                 page = self._page
                 processed, active = ctx._processed, ctx._active
                 if row and ctx._length <= self._max_seq_len and processed >= req.committed * page and (
-                        not self._state_ids or self._states_complete(req)):
+                        not self._state_ids or self._states_live(req)):
                     if self._loads or self._offloads and self._completions_moved():
                         self._drain()  # spec/manager.md §9.2: finished transfers land before the sizing
                     # Not at the reuse point (the row holds pages): only growth, no splice; every
                     # paged row has the anchor's length (spec/manager.md §4.6).
                     short = processed + active - len(row) * page
-                    if short > 0 and not self._grow_rows(ctx, req, row, -(-short // page)):
+                    if (short > 0 or self._state_ids) and not self._grow_rows(
+                            req, row, -(-short // page) if short > 0 else 0):
                         return super().alloc(ctx)  # short of pages: the policy waits for offloads or raises
                     # spec/manager.md §4.9: input_tokens counts each forward's active tokens once.
                     if req.counted_gen == req.step_gen:
@@ -192,17 +194,19 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         the drain would change nothing, so it is skipped."""
         return self._completions is None or self._completions() != self._completions_seen
 
-    def _states_complete(self, req) -> bool:
-        """spec/manager.md §4.7: every state row holds its live page and, with caching, a successor."""
-        rows, full = req.rows, self._state_len
+    def _states_live(self, req) -> bool:
+        """Every state row holds its live page (an empty one gets a fresh, zeroed state from the
+        policy: spec/manager.md §4.7)."""
+        rows = req.rows
         for lid in self._state_ids:
-            if len(rows[lid]) < full:
+            if not rows[lid]:
                 return False
         return True
 
-    def _grow_rows(self, ctx: TextContext, req, row: list[int], need: int) -> bool:
-        """Draw ``need`` pages onto every paged row (spec/manager.md §4.6), all or nothing; False
-        (nothing drawn) when the replica cannot serve them."""
+    def _grow_rows(self, req, row: list[int], need: int) -> bool:
+        """The sizing of a ``running`` request (spec/manager.md §4.6): ``need`` pages onto every
+        paged row and, with prefix caching, a successor page onto a state row that holds only its
+        live page (§5.2), all or nothing; False (nothing drawn) when the replica cannot serve them."""
         pools = self._pools[req.replica]
         if self._single:
             pool = pools[self._anchor_id]
@@ -213,18 +217,25 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             else:
                 row.extend(pool.allocate(need))
             return True
+        rows, full = req.rows, self._state_len
+        demand = {}
+        for lid, state in self._grow_order:  # leaf order: the order the policy checks and draws in
+            n = full - len(rows[lid]) if state else need
+            if n > 0:
+                demand[lid] = n
+        if not demand:
+            return True
         # spec/manager.md §13.3: the leaves' pages come from one slab, checked together.
-        ids, rows = self._grow_ids, req.rows
         if self._slabs:
-            if self._slabs[req.replica].shortfall(dict.fromkeys(ids, need), None) is not None:
+            if self._slabs[req.replica].shortfall(demand, None) is not None:
                 return False
-        elif any(need > pools[lid].num_free for lid in ids):
+        elif any(n > pools[lid].num_free for lid, n in demand.items()):
             return False
-        for lid in ids:  # leaf order: the order the policy draws in
-            if need == 1:
+        for lid, n in demand.items():
+            if n == 1:
                 rows[lid].append(pools[lid].allocate_one())
             else:
-                rows[lid].extend(pools[lid].allocate(need))
+                rows[lid].extend(pools[lid].allocate(n))
         return True
 
     def _alloc_fast(self, ctx: TextContext, defer_lookup: bool) -> KVTransfer:
