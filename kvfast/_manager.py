@@ -205,8 +205,9 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
 
     def _grow_rows(self, req, row: list[int], need: int) -> bool:
         """The sizing of a ``running`` request (spec/manager.md §4.6): ``need`` pages onto every
-        paged row and, with prefix caching, a successor page onto a state row that holds only its
-        live page (spec/manager.md §5.2), all or nothing; False (nothing drawn) when the replica cannot serve them."""
+        paged row and, with prefix caching, a successor page onto a state row that holds only
+        its live page (spec/manager.md §5.2), all or nothing; False (nothing drawn) when the
+        replica cannot serve them."""
         pools = self._pools[req.replica]
         if self._single:
             pool = pools[self._anchor_id]
