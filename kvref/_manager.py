@@ -1344,6 +1344,17 @@ class PagedKVCacheManager:
             leaf, pool = self._leaf[lid], self._pools[load.replica][lid]
             leaf.land_load(pool, req.rows[lid] if req is not None else None, load, pages, self._publish_or_twin)
 
+    def _call_offload(self, r: int, ids: list[int], keys: list[bytes], toks: np.ndarray):
+        """``connector.offload(ids, keys, toks, r)`` and whether its handle is complete already;
+        a raise of the call or of the handle counts the blocks in
+        ``connector_offload_blocks_dropped`` and completes it (spec/manager.md §9.2)."""
+        try:
+            handle = self._connector.offload(ids, keys, toks, r)
+            return handle, handle.is_complete()
+        except Exception:
+            self._metrics.connector_offload_blocks_dropped += len(ids)
+            return None, True
+
     def _post_leaf_offload(self, r: int, hashes: list[bytes], toks: np.ndarray) -> None:
         """spec/manager.md §9.8: offload one committed run of every leaf: the full leaf's run up to
         its first evicted hash, each sliding page and recurrent checkpoint still published."""
@@ -1359,12 +1370,7 @@ class PagedKVCacheManager:
             return
         self._pin_leaves(r, leaf_pages)
         ids, keys, utoks = self._unit_args(items, hashes, toks, 0)
-        try:
-            handle = self._connector.offload(ids, keys, utoks, r)
-            done = handle.is_complete()
-        except Exception:
-            self._metrics.connector_offload_blocks_dropped += len(ids)
-            done = True
+        handle, done = self._call_offload(r, ids, keys, utoks)
         if done:
             self._unpin_leaves(r, leaf_pages)
         else:
@@ -1769,12 +1775,7 @@ class PagedKVCacheManager:
                 ids = [b for pages, _, _ in runs for b in pages]
                 hs = [h for _, run_hashes, _ in runs for h in run_hashes]
                 toks = np.concatenate([t for _, _, t in runs])
-            try:
-                handle = self._connector.offload(ids, hs, toks, r)
-                done = handle.is_complete()
-            except Exception:
-                self._metrics.connector_offload_blocks_dropped += len(ids)
-                done = True
+            handle, done = self._call_offload(r, ids, hs, toks)
             for pages, _, _ in runs:  # unpinned run by run, each tail first, when the handle completes
                 if done:
                     self._unpin(r, pages)
