@@ -134,10 +134,11 @@ _NO_REFS = np.zeros(1, np.int32)
 
 def _pages(pages) -> np.ndarray:
     """Page ids as int64 ``[n]`` (a list through ``fromiter``, the fastest path for Python ints)."""
+    if type(pages) is list:
+        return np.fromiter(pages, np.int64, len(pages))
     if isinstance(pages, np.ndarray):
         return pages.astype(np.int64, copy=False).reshape(-1)
-    if type(pages) is not list:
-        pages = list(pages)
+    pages = list(pages)
     return np.fromiter(pages, np.int64, len(pages))
 
 
@@ -320,7 +321,7 @@ class FastSlabTable:
             if n:
                 self.take([pages[0] // ratio])
             return
-        arr = np.fromiter(pages, np.int64, n) if type(pages) is list else _pages(pages)
+        arr = _pages(pages)
         self._num_parked -= _take_pages(self._prev, self._next, self._parked, self.owner, self.live,
                                         self._parked_typed, arr, ratio, _NO_REFS, False)
 
@@ -329,7 +330,7 @@ class FastSlabTable:
         if n <= 1 or not isinstance(ref_count, np.ndarray):
             self.take([b // ratio for b in pages if ref_count[b] == 0])
             return
-        arr = np.fromiter(pages, np.int64, n) if type(pages) is list else _pages(pages)
+        arr = _pages(pages)
         self._num_parked -= _take_pages(self._prev, self._next, self._parked, self.owner, self.live,
                                         self._parked_typed, arr, ratio, ref_count, True)
 
@@ -338,7 +339,7 @@ class FastSlabTable:
         if n <= 1 or not isinstance(ref_count, np.ndarray):
             self.drop([b // ratio for b in pages if b and ref_count[b] == 0])
             return
-        arr = np.fromiter(pages, np.int64, n) if type(pages) is list else _pages(pages)
+        arr = _pages(pages)
         self._num_parked += _drop_idle(self._prev, self._next, self._parked, self.owner, self.live,
                                        self._parked_typed, self._tail, arr, ratio, ref_count)
 

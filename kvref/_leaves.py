@@ -13,6 +13,7 @@ policy in ``kvref._manager`` asks the leaf and never branches on its kind.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -148,7 +149,7 @@ class ExtendedResidency:
         return j
 
 
-class Leaf:
+class Leaf(ABC):
     """One leaf's geometry and rules, the base of the three leaf kinds (spec/manager.md §3.2, §4.6, §5).
 
     The policy (``kvref._manager``) asks a leaf, never its kind: how many pages it needs to
@@ -228,25 +229,26 @@ class Leaf:
         return (f"{self.leaf_id}|{self.kind.value}|{sp.window}|{','.join(map(str, sp.state_shape))}|"
                 f"{sp.state_dtype}").encode()
 
+    @abstractmethod
     def dtype(self, params: KVCacheParams) -> np.dtype:
         """The dtype of the leaf's buffer: ``params.np_dtype`` for K/V pages, the state dtype for a state."""
-        raise NotImplementedError
 
+    @abstractmethod
     def page_shape(self, params: KVCacheParams) -> tuple[int, ...]:
         """The shape of one page of the leaf's buffer (``params.page_shape``, or ``spec.state_shape``)."""
-        raise NotImplementedError
 
     def row_bytes(self, params: KVCacheParams) -> int:
         """Bytes of one row of a page, the last axis (spec/manager.md §13.1: a padded slab page stays a
         whole number of rows: ``head_dim`` elements, or the state's last axis)."""
         return self.dtype(params).itemsize * self.page_shape(params)[-1]
 
+    @abstractmethod
     def tier_units(self, params: KVCacheParams, unit: int) -> int:
         """Tier units of ``unit`` bytes one page of the leaf takes (spec/tiers.md §12)."""
-        raise NotImplementedError
 
     # ---------------------------------------------------------------- sizing
 
+    @abstractmethod
     def pages_to_hold(self, max_seq_len: int) -> int:
         """Pages of this leaf one request of ``max_seq_len`` tokens must hold at once (spec/manager.md §1.6).
 
@@ -254,7 +256,6 @@ class Leaf:
         current one once the slots below it are nulled, ``min(ceil(max_seq_len /
         page_size), biw + 1)`` (a prefill chunked at the window); recurrent: 1.
         """
-        raise NotImplementedError
 
     def pages_to_admit(self, seq_len: int, caching: bool) -> int:
         """Pages of this leaf a request of ``seq_len`` tokens draws on an empty pool (spec/manager.md
@@ -282,33 +283,33 @@ class Leaf:
         """First row index a sliding leaf still needs when ``k`` blocks are processed (0 for the others)."""
         return 0
 
+    @abstractmethod
     def needed_blocks(self, k0: int, k: int) -> list[int]:
         """Blocks past ``k0`` this leaf must hold for a hit of ``k`` blocks (spec/manager.md §3.2):
         full ``k0 .. k-1``; sliding the window's part of them; recurrent the checkpoint ``k-1``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def best(self, k: int, resident: Residency) -> int:
         """The longest hit ``j <= k`` (in blocks) this leaf accepts (spec/manager.md §3.2).
 
         ``resident(i)``: the leaf holds a page published under hash ``h_i``
         with block ``i``'s tokens; ``resident.run(k)``: the resident run from the root.
         """
-        raise NotImplementedError
 
+    @abstractmethod
     def hit_pages(self, k: int, resident: Residency) -> list[int]:
         """The resident pages of :meth:`needed_blocks` ``(0, k)``, in block order (a local hit of ``k``)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def plan_hit(self, plan: _AllocPlan, k: int, pages: list[int | None]) -> None:
         """Put a hit of ``k`` blocks into ``plan`` (spec/manager.md §4.5): ``pages`` are the pages of
         :meth:`needed_blocks` ``(0, k)`` in block order, None where a peer copy fills it
         (spec/manager.md §7.3; ``plan.leaf_peer`` names the source)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def commit_hit(self, req: _Request, plan: _AllocPlan, pool: BlockPool, local: int) -> None:
         """Take the planned hit: touch its locally held pages below ``local`` and hand the request
         what :meth:`plan_hit` planned (spec/manager.md §4.5)."""
-        raise NotImplementedError
 
     def first_state_copy(self, row: list[int], pages: list[int], plan: _AllocPlan,
                          req: _Request) -> tuple | None:
@@ -319,16 +320,16 @@ class Leaf:
 
     # ---------------------------------------------------------------- tiers
 
+    @abstractmethod
     def load_destinations(self, row: list[int], blocks: list[int]) -> list[int]:
         """The pages of ``row`` a tier load of ``blocks`` (:meth:`needed_blocks`) lands in
         (spec/manager.md §9.8)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def land_load(self, pool: BlockPool, row: list[int] | None, load: _Load, pages: list[int],
                   publish_or_twin: Callable[[BlockPool, int, bytes, np.ndarray], int]) -> None:
         """A landed tier load's ``pages`` of this leaf join the request (spec/manager.md §9.8); ``row``
         is the request's row, None when the request is gone."""
-        raise NotImplementedError
 
     def published_pages(self, pool: BlockPool, hashes: list[bytes], toks: np.ndarray,
                         flat: np.ndarray) -> list[tuple[int, int]]:
@@ -353,22 +354,22 @@ class Leaf:
         """The lookup table's column count, given the paged leaves' ``columns`` (spec/manager.md §8)."""
         return columns
 
+    @abstractmethod
     def row_shortfall(self, row: list[int], reach: int, what: str) -> str | None:
         """Why ``row`` cannot serve a forward reaching ``reach`` tokens (``what`` names that length),
         the tail of ``runtime_inputs``'s message (spec/manager.md §8 check 3); None when it can."""
-        raise NotImplementedError
 
     # ---------------------------------------------------------------- invariants
 
+    @abstractmethod
     def check_row(self, p: str, rid: str, row: list[int], nulled: dict[str, int]) -> int:
         """Assert the shape of a live ``row`` (``AssertionError`` prefixed ``p``); returns the first
         slot that must hold a live page."""
-        raise NotImplementedError
 
+    @abstractmethod
     def committed_blocks(self, lo: int, committed: int) -> range:
         """The blocks below ``committed`` whose pages the row holds published, from slot ``lo``
         (spec/manager.md §10.4)."""
-        raise NotImplementedError
 
 
 class _PagedLeaf(Leaf):
