@@ -18,6 +18,7 @@ import numpy as np
 from kvspec.engine import PRISTINE
 from numba import njit
 
+from ._block_pool import _ids
 from ._numba.freelist import insert_before, unlink
 
 
@@ -130,16 +131,6 @@ def _claim_run(prev, next_, parked, owner, head, h0, h1, leaf):
 
 
 _NO_REFS = np.zeros(1, np.int32)
-
-
-def _pages(pages) -> np.ndarray:
-    """Page ids as int64 ``[n]`` (a list through ``fromiter``, the fastest path for Python ints)."""
-    if type(pages) is list:
-        return np.fromiter(pages, np.int64, len(pages))
-    if isinstance(pages, np.ndarray):
-        return pages.astype(np.int64, copy=False).reshape(-1)
-    pages = list(pages)
-    return np.fromiter(pages, np.int64, len(pages))
 
 
 _warmed = False
@@ -321,7 +312,7 @@ class FastSlabTable:
             if n:
                 self.take([pages[0] // ratio])
             return
-        arr = _pages(pages)
+        arr = _ids(pages)
         self._num_parked -= _take_pages(self._prev, self._next, self._parked, self.owner, self.live,
                                         self._parked_typed, arr, ratio, _NO_REFS, False)
 
@@ -330,7 +321,7 @@ class FastSlabTable:
         if n <= 1 or not isinstance(ref_count, np.ndarray):
             self.take([b // ratio for b in pages if ref_count[b] == 0])
             return
-        arr = _pages(pages)
+        arr = _ids(pages)
         self._num_parked -= _take_pages(self._prev, self._next, self._parked, self.owner, self.live,
                                         self._parked_typed, arr, ratio, ref_count, True)
 
@@ -339,7 +330,7 @@ class FastSlabTable:
         if n <= 1 or not isinstance(ref_count, np.ndarray):
             self.drop([b // ratio for b in pages if b and ref_count[b] == 0])
             return
-        arr = _pages(pages)
+        arr = _ids(pages)
         self._num_parked += _drop_idle(self._prev, self._next, self._parked, self.owner, self.live,
                                        self._parked_typed, self._tail, arr, ratio, ref_count)
 

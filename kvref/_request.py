@@ -147,15 +147,6 @@ class _Request:
         self._load = value
         self._settle()
 
-    #: every field of the record, for fingerprints in tests (the context excluded)
-    FIELDS = ("replica", "rows", "dummy", "hashes", "committed", "nulled", "restore", "ext_point", "lookup",
-              "lookup_pending", "skip_connector", "load", "stepped_during_load", "ran_past", "step_gen",
-              "counted_gen", "counted_active", "settled")
-
-    def state(self) -> dict:
-        """Every field but the context, by name (for tests' before/after fingerprints)."""
-        return {k: getattr(self, k) for k in self.FIELDS}
-
     def __repr__(self) -> str:
         return (f"_Request({self.ctx.request_id if self.ctx is not None else None!r}, replica={self.replica}, "
                 f"phase={self.phase!r}, committed={self.committed})")

@@ -31,7 +31,8 @@ def make(num_blocks=9, dp=1, leaves=None, max_batch_size=2, max_seq_len=None, **
 def fingerprint(m, *ctxs):
     """Everything observable: pools, rows, request records, metrics, pins, queues, buffers, contexts."""
     pools = [{lid: p.snapshot() for lid, p in pools.items()} for pools in m._pools]
-    reqs = {rid: q.state() for rid, q in m._requests.items()}
+    reqs = {rid: {k: getattr(q, k) for k in type(q).__slots__ if k != "ctx"}  # every field of the record
+            for rid, q in m._requests.items()}
     bufs = [{lid: hashlib.sha256(np.ascontiguousarray(b).tobytes()).hexdigest() for lid, b in d.items()}
             for d in m._buffers]
     cs = [(c.request_id, c.processed_length, c.active_length, len(c), c.cached_prefix_length,

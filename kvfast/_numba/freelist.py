@@ -122,11 +122,7 @@ def _release(prev, next_, published, prio, expiry, head, b, lo, now, ttl, k):
             prio[b] = -1
             expiry[b] = np.inf
         return _requeue(prev, next_, head, prio, expiry, b, lo, ttl, k)
-    nn = next_[head]
-    next_[head] = b
-    prev[b] = head
-    next_[b] = nn
-    prev[nn] = b
+    insert_before(prev, next_, next_[head], b)  # the front: before the first node after HEAD
     return lo, k
 
 
@@ -160,13 +156,7 @@ def unlink_many(prev, next_, blocks):
     """Take each of ``blocks`` (all on the list) out of it (a slab leaf's pages of a huge block
     another leaf claims, spec/manager.md §13.2)."""
     for i in range(blocks.shape[0]):
-        b = blocks[i]
-        p = prev[b]
-        n = next_[b]
-        next_[p] = n
-        prev[n] = p
-        prev[b] = -1
-        next_[b] = -1
+        unlink(prev, next_, blocks[i])
 
 
 @njit(nogil=True, cache=True)
