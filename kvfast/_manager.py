@@ -178,13 +178,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                     if (short > 0 or self._state_ids) and not self._grow_rows(
                             req, row, -(-short // page) if short > 0 else 0):
                         return super().alloc(ctx)  # short of pages: the policy waits for offloads or raises
-                    # spec/manager.md §4.9: input_tokens counts each forward's active tokens once.
-                    if req.counted_gen == req.step_gen:
-                        self._metrics.input_tokens += active - req.counted_active
-                    else:
-                        self._metrics.input_tokens += active
-                        req.counted_gen = req.step_gen
-                    req.counted_active = active
+                    self._metrics.input_tokens += req.count_forward(active)  # spec/manager.md §4.9
                     return _DONE
         return self._alloc_fast(ctx, defer_lookup)
 
@@ -327,12 +321,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             row.extend(pool.allocate_array(need).tolist())
         if conn and k:
             self._tier_touch(r, hashes[:k])  # spec/manager.md §4.8: the device hit re-ranked in the tiers
-        # spec/manager.md §4.9: input_tokens counts each forward's active tokens once.
-        if req.counted_gen == req.step_gen:
-            m.input_tokens += ctx.active_length - req.counted_active
-        else:
-            m.input_tokens += ctx.active_length
-        req.counted_gen, req.counted_active = req.step_gen, ctx.active_length
+        m.input_tokens += req.count_forward(ctx.active_length)  # spec/manager.md §4.9
         return _DONE
 
     def step(self, ctx: TextContext) -> None:
@@ -346,7 +335,8 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             # A decode step inside a page (spec/manager.md §5.1: nothing filled since the last
             # commit, the rows cover it): only the forward is counted.
             processed = ctx._processed
-            if processed < (req.committed + 1) * self._page and processed <= len(req.rows[self._anchor_id]) * self._page:
+            page = self._page
+            if processed < (req.committed + 1) * page and processed <= len(req.rows[self._anchor_id]) * page:
                 req.step_gen += 1
                 return
         if req is None or req.ctx is not ctx or req.dummy:

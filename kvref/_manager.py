@@ -794,12 +794,7 @@ class PagedKVCacheManager:
             fresh = leaf.fresh_states(row, n)
             if fresh:  # spec/manager.md §4.7: a fresh live state starts at zero
                 self._run_copies(req, [("restore", leaf.leaf_id, NULL_BLOCK, b) for b in fresh])
-        m, active = self._metrics, ctx.active_length
-        if req.counted_gen == req.step_gen:  # spec/manager.md §4.9: input_tokens counts each forward once
-            m.input_tokens += active - req.counted_active
-        else:
-            m.input_tokens += active
-        req.counted_gen, req.counted_active = req.step_gen, active
+        self._metrics.input_tokens += req.count_forward(ctx.active_length)  # spec/manager.md §4.9
         return _DONE
 
     def _trim(self, req: _Request, leaf: Leaf, row: list[int], required: int) -> None:
@@ -1026,12 +1021,7 @@ class PagedKVCacheManager:
         transfer: KVTransfer = _DONE
         if req.load is not None and req.load.state == "pending":
             transfer = req.load.handle  # spec/manager.md §4: a repeated alloc returns the load still in flight
-        # spec/manager.md §4.9: input_tokens counts each forward's active tokens once.
-        if req.counted_gen == req.step_gen:
-            m.input_tokens += ctx.active_length - req.counted_active
-        else:
-            m.input_tokens += ctx.active_length
-        req.counted_gen, req.counted_active = req.step_gen, ctx.active_length
+        m.input_tokens += req.count_forward(ctx.active_length)  # spec/manager.md §4.9
         return transfer
 
     def _fill_peer_slots(self, req, ctx, leaf, row, pages, plan, copies) -> list[int]:

@@ -92,6 +92,18 @@ class _Request:
         self._load: _Load | None = None
         self.settled = not dummy
 
+    def count_forward(self, active: int) -> int:
+        """The input tokens an ``alloc`` adds for the forward it sizes, ``active`` tokens wide
+        (spec/manager.md §4.9): a forward is counted once however often ``alloc`` sizes it, so a
+        repeated ``alloc`` before the same step adds only the difference."""
+        if self.counted_gen == self.step_gen:
+            n = active - self.counted_active
+        else:
+            n = active
+            self.counted_gen = self.step_gen
+        self.counted_active = active
+        return n
+
     def _settle(self) -> None:
         self.settled = not (self._dummy or self._load is not None or self._ext_point or self._lookup is not None
                             or self._lookup_pending)
