@@ -165,6 +165,15 @@ class BlockPool:
         self._ttl = False
         #: blocks taken out of circulation by ``revoke`` (a slab leaf's pages in huge blocks it does not hold)
         self._off = np.zeros(n, np.bool_)
+        self._views()
+
+    def _views(self) -> None:
+        """Memoryviews of the arrays the one-block paths (``allocate_one``, ``publish_tokens``)
+        update element by element: an item of a memoryview reads and writes a Python int in
+        about half the time of a NumPy scalar index. They share the arrays' memory; every
+        assignment of those arrays calls this again."""
+        self._nx, self._pv, self._rc = memoryview(self._next), memoryview(self._prev), memoryview(self.ref_count)
+        self._pub, self._tl = memoryview(self._published), memoryview(self._tok_len)
 
     def snapshot(self):
         """An opaque copy of the whole state (for atomic rollback and tests)."""
@@ -187,6 +196,7 @@ class BlockPool:
         self.hash_to_block = dict(idx)
         self._published, self._prev, self._next = pub.copy(), prev.copy(), nxt.copy()
         self._num_free = nfree
+        self._views()
 
     # ------------------------------------------------------------------ queries
 
@@ -287,24 +297,24 @@ class BlockPool:
             raise CapacityError(f"BlockPool.allocate: needs 1 blocks, {self._num_free} free or evictable")
         if self._heap:
             self._expire()
-        nxt, prv, head = self._next, self._prev, self._head
-        b = int(nxt[head])
+        nxt, prv, head = self._nx, self._pv, self._head
+        b = nxt[head]
         if b >= head:  # the front is empty: the first block of the lowest non-empty level
             lo = self._lo
             while nxt[head + 1 + lo] >= head:
                 lo += 1
             self._lo = lo
-            b = int(nxt[head + 1 + lo])
+            b = nxt[head + 1 + lo]
         p = prv[b]
         nn = nxt[b]
         nxt[p] = nn
         prv[nn] = p
         prv[b] = -1
         nxt[b] = -1
-        self.ref_count[b] = 1
+        self._rc[b] = 1
         self._num_free -= 1
-        if self._published[b]:  # evict, as allocate does
-            self._published[b] = False
+        if self._pub[b]:  # evict, as allocate does
+            self._pub[b] = False
             self.priority[b] = _ret.NO_CLAIM
             self.expiry[b] = _ret.NEVER
             h = self.block_hash[b]
@@ -510,8 +520,8 @@ class BlockPool:
             self._store(np.array([block]), toks.reshape(1, w))
         else:
             self._tok[block, :w] = toks
-            self._tok_len[block] = w
-        self._published[block] = True
+            self._tl[block] = w
+        self._pub[block] = True
         self.hash_to_block[h] = block
         return block
 
@@ -539,6 +549,26 @@ class BlockPool:
         toks = _rows(data, n)
         w = toks.shape[1]
         bh, idx = self.block_hash, self.hash_to_block
+        if hashes[0] not in idx:
+            # Common case (a prefill's or decode's fresh blocks): no twin, no collision, no block
+            # published yet, no repeated block or hash; then this is exactly the loop at the end.
+            # Tried first, checked as it goes (one probe per hash: ``setdefault`` inserts or finds)
+            # and undone if it is not that case.
+            arr = np.fromiter(blocks, np.int64, n)
+            if w > self._tok.shape[1]:
+                self._store(arr[:0], toks[:0])  # widen the table
+            if _fl.publish_rows(self._tok, self._tok_len, self._published, arr, toks.astype(np.int32, copy=False)):
+                before = len(idx)
+                got = list(map(idx.setdefault, hashes, blocks))
+                if len(idx) - before == n:
+                    _consume(map(bh.__setitem__, blocks, hashes))
+                    return list(blocks)
+                # A hash was indexed (a twin or a collision) or repeated: undo. None of ``blocks``
+                # was published, so an entry that maps a hash to its own block is one inserted here.
+                for h, c, b in zip(hashes, got, blocks):
+                    if c == b and idx.get(h) == b:
+                        del idx[h]
+                self._published[arr] = False
         got = list(map(idx.get, hashes))
         fresh = got.count(None)
         t = n - fresh
@@ -554,22 +584,6 @@ class BlockPool:
             if ok < t:
                 return canon[:ok]
             return canon + (self.publish_run(blocks[t:], hashes[t:], toks[t:].reshape(-1)) if fresh else [])
-        if fresh == n:
-            # Common case (a prefill's or decode's fresh blocks): no twin, and (checked
-            # below, undone if not) no block published yet, no repeated block or hash;
-            # then this is exactly the loop at the end.
-            arr = np.fromiter(blocks, np.int64, n)
-            if w > self._tok.shape[1]:
-                self._store(arr[:0], toks[:0])  # widen the table
-            if _fl.publish_rows(self._tok, self._tok_len, self._published, arr, toks.astype(np.int32, copy=False)):
-                before = len(idx)
-                idx.update(zip(hashes, blocks))
-                if len(idx) - before == n:
-                    _consume(map(bh.__setitem__, blocks, hashes))
-                    return list(blocks)
-                for h in hashes:  # a repeated hash (none was indexed before): undo
-                    idx.pop(h, None)
-                self._published[arr] = False
         out = []
         for j in range(n):
             b = blocks[j]

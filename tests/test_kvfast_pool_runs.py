@@ -8,6 +8,7 @@ index, tokens, evictions) after every rule.
 """
 
 import numpy as np
+import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 from test_kvfast_block_pool import HASHES, NUM_BLOCKS, TOKENS, PoolComparison, _call
@@ -107,6 +108,29 @@ def test_publish_run_repeated_hash_takes_the_loop():
     assert f.hash_to_block == {b"a": blocks[0]}
     assert f.block_hash[blocks[1]] is None and f.block_hash[blocks[2]] is None
     f.check_invariants({b: 1 for b in blocks})
+
+
+@pytest.mark.parametrize("mid_tokens, want_stop", [([5, 6], None), ([9, 9], 2)])
+def test_publish_run_undoes_the_fresh_attempt_at_a_mid_run_hash(mid_tokens, want_stop):
+    """The fresh-run attempt (first hash not indexed) meets an indexed hash in the middle of the
+    run: a twin (same tokens) or a collision (other tokens). It undoes its inserts and the
+    result and state equal the reference loop's (spec/manager.md §5.1)."""
+    from kvref._block_pool import BlockPool as RefPool
+
+    f, r = FastPool(10), RefPool(10)
+    for pool in (f, r):
+        (old,) = pool.allocate(1)
+        pool.publish(old, b"c", [5, 6])
+    blocks = f.allocate(4)
+    assert r.allocate(4) == blocks
+    toks = np.array([[1, 2], [3, 4], mid_tokens, [7, 8]], np.int32)
+    hashes = [b"a", b"b", b"c", b"d"]
+    got = f.publish_run(blocks, hashes, toks.reshape(-1))
+    assert got == _ref_publish_run(r, blocks, hashes, toks)
+    if want_stop is not None:
+        assert len(got) == want_stop  # the collision stops the chain: b"d" is not published
+    assert f.hash_to_block == r.hash_to_block and list(f.block_hash) == list(r.block_hash)
+    f.check_invariants({b: 1 for b in blocks} | {old: 1})
 
 
 def test_token_table_widens_for_longer_tokens():

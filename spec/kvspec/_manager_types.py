@@ -495,17 +495,19 @@ class TextContext:
         leave it as the only active token."""
         if type(token) is not int or not -2147483648 <= token <= 2147483647:  # else check_int passes
             check_int("TextContext.update", "token", token, low=-(2**31), high=2**31 - 1)
-        if self._length != self._processed + self._active:  # pending_length, inlined (per-token path)
+        n = self._length  # the per-token path: each attribute read once
+        if n != self._processed + self._active:  # pending_length, inlined
             raise ValueError(
                 f"TextContext.update: {self.pending_length} pending tokens after a chunk; call advance_chunk()"
             )
-        if self._length == self._tokens.size:
-            grown = np.empty(2 * self._tokens.size, dtype=np.int32)
-            grown[: self._length] = self._tokens[: self._length]
-            self._tokens = grown
-        self._tokens[self._length] = token
-        self._length += 1
-        self._processed = self._length - 1
+        buf = self._tokens
+        if n == buf.size:
+            grown = np.empty(2 * n, dtype=np.int32)
+            grown[:n] = buf
+            self._tokens = buf = grown
+        buf[n] = token
+        self._length = n + 1
+        self._processed = n
         self._active = 1
 
     def chunk(self, n: int) -> None:
