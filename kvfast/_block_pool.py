@@ -511,8 +511,12 @@ class BlockPool:
         return self._publish(block, block_hash, tokens)
 
     def _publish(self, block: int, h: bytes, toks: np.ndarray) -> int:
-        twin = self.hash_to_block.get(h)
-        if twin is not None:
+        """Publish unpublished ``block`` under ``h`` with int32 ``toks``: itself, a twin, or
+        ``block`` unpublished at a collision. One probe: ``block`` is unpublished, so no entry
+        maps to it (the index is a bijection onto the published blocks) and ``setdefault``
+        returning ``block`` means the entry is new."""
+        twin = self.hash_to_block.setdefault(h, block)
+        if twin != block:
             return twin if self._holds(twin, toks) else block
         self.block_hash[block] = h
         w = toks.shape[0]
@@ -522,7 +526,6 @@ class BlockPool:
             self._tok[block, :w] = toks
             self._tl[block] = w
         self._pub[block] = True
-        self.hash_to_block[h] = block
         return block
 
     def publish_run(self, blocks: list[int], hashes: list[bytes], data) -> list[int]:
