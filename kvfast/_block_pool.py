@@ -353,14 +353,16 @@ class BlockPool:
         """Take one more reference; a free (published) block leaves the free list."""
         if block == NULL_BLOCK:
             raise ValueError("BlockPool.touch: block 0 is the null block")
-        if self.ref_count[block] == 0:  # unlink in Python: one block is cheaper than a kernel call
-            prv, nxt = self._prev, self._next
+        rc = self._rc
+        r = rc[block]
+        if r == 0:  # unlink in Python: one block is cheaper than a kernel call
+            prv, nxt = self._pv, self._nx
             p, n = prv[block], nxt[block]
             nxt[p] = n
             prv[n] = p
             prv[block] = nxt[block] = -1
             self._num_free -= 1
-        self.ref_count[block] += 1
+        rc[block] = r + 1
 
     def count_free(self, blocks) -> int:
         """How many of ``blocks`` (distinct) are on the free list (ref count 0)."""
@@ -456,14 +458,15 @@ class BlockPool:
         """``free([b])`` in Python, the free list's rule (front if unpublished, back if published)."""
         if b == NULL_BLOCK:
             return
-        rc = self.ref_count
-        if rc[b] <= 0:
-            raise AssertionError(f"BlockPool.free: block {b} ref_count={int(rc[b])}")
-        rc[b] -= 1
-        if rc[b]:
+        rc = self._rc
+        r = rc[b]
+        if r <= 0:
+            raise AssertionError(f"BlockPool.free: block {b} ref_count={r}")
+        rc[b] = r - 1
+        if r > 1:
             return
-        prv, nxt = self._prev, self._next
-        if self._published[b]:
+        prv, nxt = self._pv, self._nx
+        if self._pub[b]:
             e = self.expiry[b]
             if e != _ret.NEVER and e <= self.clock():  # spec/manager.md §14.5: checked when freed
                 self.priority[b] = _ret.NO_CLAIM

@@ -377,13 +377,14 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             return  # spec/manager.md §5.1: the parent lost a collision; the chain is not published
         mine = row[lo:end]
         canon = pool.publish_run(mine, hashes[lo:end], ctx._tokens[lo * page : end * page])
-        if canon != mine:  # one list compare: the loop runs only when a twin or a collision exists
-            for i in range(lo, lo + len(canon)):
-                c, b = canon[i - lo], row[i]
-                if c != b:  # spec/manager.md §5.1: twin dedup (same chain), keep the published copy
-                    pool.touch(c)
-                    row[i] = c
-                    pool.free([b])
+        if canon != mine:  # one list compare: twins (or a collision) exist
+            # spec/manager.md §5.1: twin dedup (same chain), keep the published copies: reference
+            # them, let the private pages go (in row order, as one by one), switch the row.
+            twins = [j for j, c in enumerate(canon) if c != mine[j]]
+            if twins:
+                pool.touch_many([canon[j] for j in twins])
+                pool.free([mine[j] for j in twins])
+                row[lo : lo + len(canon)] = canon
         req.committed = stop = lo + len(canon)
         if stop > lo and self._uses_connector:  # spec/manager.md §9.2: queued for the next post
             toks = np.array(ctx._tokens[lo * page : stop * page], dtype=np.int32).reshape(stop - lo, page)
