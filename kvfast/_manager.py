@@ -445,22 +445,25 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
     def runtime_inputs(self, batches, *, max_cache_length: int | None = None) -> KVCacheInputs:
         """The paged-attention inputs of one forward (same contract and errors as the reference).
 
-        Lane: one batch per replica of claimed ``TextContext`` rows that hold
-        every block they need, without ``max_cache_length``. The lookup tables and
-        cache lengths are built from the rows in a few C-level passes; anything
-        the lane does not prove valid goes to the policy (which raises).
+        Lane: one batch per replica (empty ones too) of claimed ``TextContext`` rows
+        that hold every block they need, with or without ``max_cache_length`` (a
+        CUDA-graph capture width). The lookup tables and cache lengths are built
+        from the rows in a few C-level passes; anything the lane does not prove
+        valid goes to the policy (which raises).
         """
-        if self._lane and max_cache_length is None and type(batches) is list and len(batches) == self._dp:
-            out = self._inputs_lane(batches)
+        if self._lane and type(batches) is list and len(batches) == self._dp and (
+                max_cache_length is None or type(max_cache_length) is int):
+            out = self._inputs_lane(batches, max_cache_length)
             if out is not None:
                 return out
         return super().runtime_inputs(batches, max_cache_length=max_cache_length)
 
-    def _inputs_lane(self, batches: list) -> KVCacheInputs | None:
-        """``runtime_inputs(batches)`` when every check of spec/manager.md §8 passes, else None.
+    def _inputs_lane(self, batches: list, max_cache_length: int | None) -> KVCacheInputs | None:
+        """``runtime_inputs(batches, max_cache_length=max_cache_length)`` when every check of
+        spec/manager.md §8 passes, else None (nothing changed).
 
         ``batches[r]`` is replica r's batch (a replica is an index); the lookup tables share the
-        column count of the widest row of all batches, as in the policy."""
+        column count of the widest row of all batches (or of ``max_cache_length``), as in the policy."""
         leaf, page, requests = self._anchor_id, self._page, self._requests
         seen = 0
         per = []
@@ -468,8 +471,8 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             if type(batch) is not list and type(batch) is not tuple:
                 return None
             n = len(batch)
-            # spec/manager.md §8 (5); (1)-(2) hold (len(batches) == dp, no batch empty)
-            if n == 0 or n > self._max_batch_size or self._closed:
+            # spec/manager.md §8 (5); (1) holds (len(batches) == dp), (2) is checked below
+            if n > self._max_batch_size or self._closed:
                 return None
             for c in batch:
                 if type(c) is not TextContext or c._spec_decoding_state is not None:
@@ -491,24 +494,31 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             per.append((batch, reqs, rows, ends, widths))
         if len({c.request_id for b in batches for c in b}) != seen:
             return None  # a request twice: the policy names it
+        if not seen and self._state_ids:
+            return None  # (2): a recurrent leaf binds rows, every batch is empty: the policy raises
+        need = max([max(p[4], default=0) for p in per])
+        if max_cache_length is not None:  # (4): the capture width (no drafts here, so no slack)
+            if not 1 <= max_cache_length <= self._max_seq_len or -(-max_cache_length // page) < need:
+                return None  # the policy raises
+            need = -(-max_cache_length // page)
+        cols = _LUT_ALIGN * (-(-need // _LUT_ALIGN) or 1)
         if self._uses_connector:
             self._post_offloads()  # spec/manager.md §9.2: queued offloads are posted before the forward
-        need = max([max(p[4]) for p in per])
-        cols = _LUT_ALIGN * (-(-need // _LUT_ALIGN) or 1)
         eng = self._engine
         if self._single:
             return KVCacheInputs(tuple(KVCacheInputsPerDevice(
                 kv_blocks=self._buffers[r][leaf],  # None in bookkeeping-only mode (spec/manager.md §8)
                 lookup_table=eng.to_device(eng.lookup_table(rows, widths, cols)),
                 cache_lengths=eng.to_device(np.array([c._processed for c in batch], dtype=np.uint32)),
-                max_prompt_length=max([c._active for c in batch]),
-                max_cache_length=max(ends),
+                max_prompt_length=max([c._active for c in batch], default=0),
+                max_cache_length=max(ends, default=0) if max_cache_length is None else max_cache_length,
             ) for r, (batch, _, rows, ends, widths) in enumerate(per)))
         out = []
         states, strides = set(self._state_ids), self._page_strides
         for r, (batch, reqs, rows, ends, widths) in enumerate(per):
             lengths = eng.to_device(np.array([c._processed for c in batch], dtype=np.uint32))
-            longest, reach = max([c._active for c in batch]), max(ends)
+            longest = max([c._active for c in batch], default=0)
+            reach = max(ends, default=0) if max_cache_length is None else max_cache_length
             ones = None
             by_leaf = {}
             for lid in self._leaf:

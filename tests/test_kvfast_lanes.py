@@ -160,3 +160,51 @@ def test_splice_near_capacity_counts_revived_hits_exactly():
     assert _both(pair, c, "alloc")[0] == "ok"  # needs 2 more: fits exactly
     assert c[1].cached_prefix_length == 8
     pair[1].check_invariants()
+
+
+def _inputs_fields(out):
+    """Every field of a ``KVCacheInputs`` as plain values (arrays as (dtype, shape, list))."""
+    rows = []
+    for per in out.inputs:
+        for lid, x in sorted(per.items()) if isinstance(per, dict) else [("", per)]:
+            rows.append((lid, x.lookup_table.dtype.str, x.lookup_table.shape, x.lookup_table.tolist(),
+                         x.cache_lengths.dtype.str, x.cache_lengths.tolist(),
+                         x.max_prompt_length, x.max_cache_length,
+                         None if x.page_stride is None else x.page_stride.tolist()))
+    return rows
+
+
+def test_inputs_lane_serves_capture_widths_and_empty_batches(monkeypatch):
+    """``runtime_inputs`` with ``max_cache_length`` (a CUDA-graph capture width) and with an empty
+    replica batch is served by kvfast's lane (the policy's method is made to fail), with the
+    reference's results; every bad width goes to the policy, which raises the reference's error."""
+    from kvspec import LeafSpec
+
+    for leaves in ({}, {"leaves": {"full": LeafSpec.full(), "swa": LeafSpec.sliding_window(8)}},
+                   {"leaves": {"full": LeafSpec.full(), "rec": LeafSpec.recurrent((2,))}}):
+        p = KVCacheParams(page_size=PAGE, num_layers=1, kv_heads=1, head_dim=2, data_parallel_degree=2, **leaves)
+        ms = [pkg.PagedKVCacheManager(p, num_blocks=64, max_batch_size=4, max_seq_len=128) for pkg in (kvref, kvfast)]
+        cs = []
+        for m in ms:
+            c = TextContext("a", np.arange(50))
+            m.claim(c, 0)
+            m.alloc(c)
+            cs.append(c)
+        calls = [([[0], []], None), ([[0], []], 100), ([[0], []], 52), ([[0], []], 128)]
+        if "rec" not in p.leaves():
+            calls += [([[], []], None), ([[], []], 9)]
+        want = [_inputs_fields(ms[0].runtime_inputs([[cs[0]] * len(b) for b in bs], max_cache_length=w))
+                for bs, w in calls]
+        with monkeypatch.context() as mp:
+            mp.setattr(kvref.PagedKVCacheManager, "runtime_inputs",
+                       lambda *a, **k: (_ for _ in ()).throw(AssertionError("the policy ran")))
+            got = [_inputs_fields(ms[1].runtime_inputs([[cs[1]] * len(b) for b in bs], max_cache_length=w))
+                   for bs, w in calls]
+        assert got == want
+        for bad in (0, 48, 129, True, 3.0):  # (4) and the type check: the policy's messages
+            errs = [_outcome(lambda m=m, c=c: m.runtime_inputs([[c], []], max_cache_length=bad))
+                    for m, c in zip(ms, cs)]
+            assert errs[0] == errs[1] and errs[0][0] == "err", errs
+        if "rec" in p.leaves():
+            errs = [_outcome(lambda m=m: m.runtime_inputs([[], []])) for m in ms]
+            assert errs[0] == errs[1] and errs[0][0] == "err", errs
