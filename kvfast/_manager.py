@@ -101,8 +101,8 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                  device: str = "cpu", connector=None, clock=None):
         super().__init__(params, num_blocks=num_blocks, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                          device=device, connector=connector, clock=clock)
-        # Decided here, once. The decode lanes (the growth of a request past its admission, the
-        # decode step inside a page, the forward's inputs) serve every leaf set, replica count and
+        # Decided here, once. The decode lanes (the claim, the growth of a request past its admission,
+        # the decode step inside a page, the forward's inputs) serve every leaf set, replica count and
         # connector; not speculative decoding (its slack and rollback, spec/manager.md §15) nor FP8
         # scales (spec/manager.md §16), which the policy serves on this engine.
         self._lane = not params.num_draft_tokens and not params.page_scales_shape
@@ -110,8 +110,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         self._single = self._lane and len(self._leaves) == 1 and self._leaves[0].kind is LeafKind.FULL
         # The admission's splice serves any replica, when no peer holds the block after the local run
         # (else the policy's cross-replica hit, spec/manager.md §7.3) and the tiers hold nothing past
-        # it (else the policy's load, spec/manager.md §9.3); claim only without a connector.
-        self._fast = self._single and not self._uses_connector
+        # it (else the policy's load, spec/manager.md §9.3).
         self._anchor_id = self._anchor.leaf_id  # every paged row has its length (spec/manager.md §4.6)
         #: several leaves: (leaf id, whether it is a state leaf) in leaf order, the order the policy
         #: sizes and draws in
@@ -145,7 +144,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
     def claim(self, ctx: TextContext, replica_idx: int = 0) -> None:
         """Pin ``ctx`` to a replica with empty rows (same contract and errors as the reference)."""
         if (
-            type(ctx) is TextContext and type(replica_idx) is int and 0 <= replica_idx < self._dp and self._fast
+            type(ctx) is TextContext and type(replica_idx) is int and 0 <= replica_idx < self._dp and self._lane
             and ctx.request_id not in self._requests and ctx._length <= self._max_seq_len
         ):
             self._requests[ctx.request_id] = self._new_request(ctx, replica_idx)
@@ -565,5 +564,5 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
     def shutdown(self) -> None:
         """Post queued offloads, wait for every transfer, close the connector (same contract as the
         reference); the fast lanes close with the manager (spec/manager.md §9.7)."""
-        self._fast = self._lane = self._single = False
+        self._lane = self._single = False
         super().shutdown()
