@@ -175,6 +175,18 @@ class BlockPool:
         self._nx, self._pv, self._rc = memoryview(self._next), memoryview(self._prev), memoryview(self.ref_count)
         self._pub, self._tl = memoryview(self._published), memoryview(self._tok_len)
 
+    def __getstate__(self) -> dict:
+        """The state without the memoryviews (they cannot be pickled or deep-copied); a copy
+        gets its own over its own arrays (``__setstate__``)."""
+        state = self.__dict__.copy()
+        for name in ("_nx", "_pv", "_rc", "_pub", "_tl"):
+            del state[name]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._views()
+
     def snapshot(self):
         """An opaque copy of the whole state (for atomic rollback and tests)."""
         return (

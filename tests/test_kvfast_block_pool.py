@@ -182,3 +182,22 @@ def test_bulk_order_matches_reference():
             f.free(blocks[::-1])
         assert r.free_order() == f.free_order()
     f.check_invariants()
+
+
+def test_copies_are_independent_pools():
+    """A deep copy or a pickled copy of the fast pool (its one-block paths write through
+    memoryviews) owns its own arrays: changes to the copy leave the original as it was."""
+    import copy
+    import pickle
+
+    p = FastPool(10)
+    held = p.allocate(3)
+    p.publish(held[0], b"h", [1, 2])
+    before = (p.ref_count.tolist(), p.free_order(), dict(p.hash_to_block))
+    for q in (copy.deepcopy(p), pickle.loads(pickle.dumps(p))):
+        q.free([held[1]])
+        q.touch(held[1])
+        q.free([held[1]])
+        fresh = q.allocate_one()
+        q.check_invariants({held[0]: 1, held[2]: 1, fresh: 1})
+        assert (p.ref_count.tolist(), p.free_order(), dict(p.hash_to_block)) == before
