@@ -18,9 +18,10 @@ from kvspec._manager_types import TextContext
 __all__ = ["_Request", "_Load", "_Offload", "_AllocPlan"]
 
 
-@dataclass
+@dataclass(eq=False)
 class _Load:
-    """An onload in flight: pages pinned, published only when it lands."""
+    """An onload in flight: pages pinned, published only when it lands. A record is compared by
+    identity (``list.remove`` of one load never compares fields, or another load's token arrays)."""
 
     replica: int
     request_id: str | None  # None once the request was released
@@ -43,9 +44,9 @@ class _Load:
         return self.nblocks if self.leaf_pages is not None else len(self.pages)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Offload:
-    """An offload in flight: its source pages are pinned until it completes."""
+    """An offload in flight: its source pages are pinned until it completes (compared by identity)."""
 
     replica: int
     pages: list[int]

@@ -31,6 +31,7 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Sequence
 
@@ -49,6 +50,10 @@ from ._remote_tier import RemoteTier, RemoteTierMetrics
 
 #: Remote claims remembered for blocks whose write has not landed yet (spec/tiers.md §3.1).
 _REMOTE_CLAIMS = 4096
+#: ``set(map(type, hashes))`` of a list of bytes, ``set(map(type, block_ids))`` of a list of ints.
+_BYTES = {bytes}
+_INTS = {int}
+_INT32 = np.dtype(np.int32)
 
 __all__ = ["TieredConnector", "TierTransfer", "TierStats", "WRITE_POLICIES", "MAX_TIER_BYTES", "MAX_WORKERS"]
 
@@ -70,6 +75,21 @@ def _physical_memory() -> int | None:
         return None
 
 
+def _start_workers(executor: ThreadPoolExecutor, n: int) -> None:
+    """Start the ``n`` worker threads of ``executor`` now (at ``attach``), not at the first
+    transfers: starting a thread costs its poster ~100 us of CPU time, the scheduler thread's.
+    ``n`` jobs that wait for each other need ``n`` threads (the pool starts one per job while
+    none is idle)."""
+    barrier = threading.Barrier(n)
+    jobs = []
+    try:
+        for _ in range(n):
+            jobs.append(executor.submit(barrier.wait, 5.0))
+    except RuntimeError:  # no thread can be started now: the pool starts them with the transfers
+        barrier.abort()
+    wait_futures(jobs)  # a broken barrier (a thread that could not start in time) costs only the wait
+
+
 # --------------------------------------------------------------------------- transfers
 
 
@@ -83,20 +103,30 @@ class TierTransfer:
     failed offload is dropped and counted.
     """
 
-    __slots__ = ("_future", "_kind")
+    __slots__ = ("_future", "_kind", "_landed")
 
-    def __init__(self, future: Future, kind: str):
+    def __init__(self, future: Future, kind: str, landed: list[bool] | None = None):
         self._future = future
         self._kind = kind
+        #: ``[done]``, set by the connector's done callback of ``future`` (a poll while the copy
+        #: runs then reads one flag instead of the future's lock); None: ask the future
+        self._landed = landed
 
     def is_complete(self) -> bool:
-        if not self._future.done():
+        landed = self._landed
+        if landed is not None:
+            if not landed[0]:
+                return False
+        elif not self._future.done():
             return False
         self._raise_if_failed()
         return True
 
     def synchronize(self) -> None:
         wait_futures([self._future])
+        if self._landed is not None:
+            # the waiter may return before the done callback ran: is_complete is True from now on
+            self._landed[0] = True
         self._raise_if_failed()
 
     def _raise_if_failed(self) -> None:
@@ -264,6 +294,8 @@ class TieredConnector:
              "load_failures", "disk_write_errors", "reset_failures", "stale_writes_dropped"), 0,
         )
         self._params: KVCacheParams | None = None
+        #: ``{digest_size(params.hash_algo)}``: ``set(map(len, hashes))`` of well-sized hashes
+        self._digest_sizes: set[int] = set()
         self._geometry: dict | None = None
         self._stores: list[PageStore] = []
         self._sources: list = []
@@ -290,9 +322,10 @@ class TieredConnector:
         (none in bookkeeping-only mode) and the disk directory is opened: its
         ``kvcache-disk.json`` is created, or checked against this geometry,
         model and hash algorithm, and existing block files are re-indexed
-        (warm start). Attaching again (same owner, or after ``detach``) with
-        the same geometry, model and algorithm re-binds the stores and keeps
-        the tiers.
+        (warm start). The ``num_workers`` worker threads start here (with
+        bytes), not at the first transfers. Attaching again (same owner, or
+        after ``detach``) with the same geometry, model and algorithm re-binds
+        the stores and keeps the tiers.
 
         Parameters
         ----------
@@ -422,6 +455,8 @@ class TieredConnector:
                 self._stats["foreign_files"] += warm.foreign
                 self._stats["files_rejected"] += warm.rejected
             self._executor = ThreadPoolExecutor(self.num_workers, thread_name_prefix="kvcache-tier")
+        if holds_bytes:
+            _start_workers(self._executor, self.num_workers)
 
     def detach(self) -> None:
         """Unbind the stores after every transfer has landed; the tiers keep
@@ -482,6 +517,7 @@ class TieredConnector:
     def _bind(self, stores, sources, params, owner) -> None:
         """Take ``stores`` as the device pages of ``owner`` (lock held)."""
         self._stores, self._sources, self._params = stores, list(sources), params
+        self._digest_sizes = {digest_size(params.hash_algo)}
         self._owner_name = type(owner).__name__ if owner is not None else "stores given without owner"
         try:
             self._owner_ref = weakref.ref(owner) if owner is not None else None
@@ -506,9 +542,8 @@ class TieredConnector:
             In ``[0, data_parallel_degree)``; the tiers are shared by replicas.
         """
         o = "TieredConnector.lookup"
-        self._check_attached(o)
-        self._check_replica(o, replica_idx)
-        hs, toks = self._check_hashes_tokens(o, hashes, tokens)
+        self._check_call(o, replica_idx)
+        hs, toks = self._check_hashes_tokens(o, hashes, tokens, copy=False)
         with self._lock:
             n = 0
             for h, t in zip(hs, toks):
@@ -557,8 +592,7 @@ class TieredConnector:
             Not attached, or shut down.
         """
         o = "TieredConnector.load"
-        self._check_attached(o)
-        self._check_replica(o, replica_idx)
+        self._check_call(o, replica_idx)
         hs, toks = self._check_hashes_tokens(o, hashes, tokens)
         ids = self._check_block_ids(o, block_ids, len(hs), replica_idx, distinct=True)
         if not ids:
@@ -624,8 +658,7 @@ class TieredConnector:
             Not attached, or shut down.
         """
         o = "TieredConnector.offload"
-        self._check_attached(o)
-        self._check_replica(o, replica_idx)
+        self._check_call(o, replica_idx)
         hs, toks = self._check_hashes_tokens(o, hashes, tokens)
         ids = self._check_block_ids(o, block_ids, len(hs), replica_idx, distinct=False)
         if not ids:
@@ -648,8 +681,7 @@ class TieredConnector:
         ``replica_idx``, ``RuntimeError`` before attach or after shutdown;
         state is unchanged."""
         o = "TieredConnector.touch"
-        self._check_attached(o)
-        self._check_replica(o, replica_idx)
+        self._check_call(o, replica_idx)
         hs = self._check_hashes(o, hashes)
         with self._lock:
             # spec/tiers.md §3: iterate tail first so the head ends up most recent.
@@ -675,16 +707,18 @@ class TieredConnector:
         ``IndexError`` for ``replica_idx``, ``RuntimeError`` before attach or
         after shutdown; state is unchanged."""
         o = "TieredConnector.set_retention"
-        self._check_attached(o)
-        self._check_replica(o, replica_idx)
+        self._check_call(o, replica_idx)
         hs = self._check_hashes(o, hashes)
-        priority = _retention.check_priority(o, priority, "priority")
-        seconds = _retention.check_seconds(o, seconds, "seconds")
-        expiry = _retention.expiry_of(seconds, self._clock)
+        if type(priority) is not int or not _retention.MIN_PRIORITY <= priority <= _retention.MAX_PRIORITY:
+            priority = _retention.check_priority(o, priority, "priority")  # raises, or an int-like
+        if seconds is not None:
+            seconds = _retention.check_seconds(o, seconds, "seconds")
+        now = self._clock()  # one read: the expiry, and the merges of both tiers (spec/tiers.md §3.1)
+        expiry = _retention.NEVER if seconds is None else float(now) + seconds
         with self._lock:
-            self._host.set_retention(hs, priority, expiry)
+            self._host.set_retention(hs, priority, expiry, now)
             if self._disk is not None:
-                self._disk.set_retention(hs, priority, expiry)
+                self._disk.set_retention(hs, priority, expiry, now)
             if self._remote is not None and seconds is not None and self._executor is not None and hs:
                 # A block whose offload is still queued gets its TTL when it is written (_retain_remote).
                 rc = self._remote_claims
@@ -873,12 +907,14 @@ class TieredConnector:
         """Start ``fn(*args)`` on a worker (lock held)."""
         fut = self._executor.submit(fn, *args)
         self._inflight.add(fut)
-        fut.add_done_callback(self._forget)
-        return TierTransfer(fut, kind)
+        landed = [False]
+        fut.add_done_callback(partial(self._forget, landed))
+        return TierTransfer(fut, kind, landed)
 
-    def _forget(self, fut: Future) -> None:
+    def _forget(self, landed: list[bool], fut: Future) -> None:
         # A done callback: it runs once the future is done, so a reader of the count that sees
         # it grow finds the handle complete (spec/manager.md §9.2).
+        landed[0] = True
         with self._lock:
             self._inflight.discard(fut)
             self._completed += 1
@@ -895,6 +931,8 @@ class TieredConnector:
 
     def _reap(self) -> None:
         """Drop finished background futures; surface an unexpected error (lock held)."""
+        if not self._background:
+            return
         done = [f for f in self._background if f.done()]
         self._background = [f for f in self._background if not f.done()]
         for f in done:
@@ -1006,7 +1044,8 @@ class TieredConnector:
                     np.copyto(host.arena[host_e.slot], src)
                 with self._lock:
                     host.commit(host_e)
-            if host_e is not None or disk_e is not None:
+                    self._metrics.d2h_bytes_copied += pb
+            elif disk_e is not None:
                 with self._lock:
                     self._metrics.d2h_bytes_copied += pb
             if disk_e is not None and not self._write_disk(disk_e, h, t, src):
@@ -1014,7 +1053,8 @@ class TieredConnector:
             if dropped:
                 with self._lock:
                     self._metrics.connector_offload_blocks_dropped += 1
-            self._write_evicted(evicted, epoch)
+            if evicted:
+                self._write_evicted(evicted, epoch)
         if self._remote is not None:
             # spec/remote-tier.md §7: SET NX of the pinned source pages, one round trip; a failing
             # store drops them (counted by the remote tier), never raises.
@@ -1080,13 +1120,20 @@ class TieredConnector:
         if not 0 <= r < len(self._stores):
             raise IndexError(f"{o}: replica_idx={r} out of range [0, {len(self._stores)})")
 
+    def _check_call(self, o: str, replica_idx) -> None:
+        """``_check_attached`` then ``_check_replica``; a plain int in range costs two tests."""
+        if (self._closed or not self._stores or type(replica_idx) is not int
+                or not 0 <= replica_idx < len(self._stores)):
+            self._check_attached(o)
+            self._check_replica(o, replica_idx)
+
     def _check_hashes(self, o: str, hashes) -> list[bytes]:
+        if type(hashes) is list and (not hashes or (set(map(type, hashes)) == _BYTES
+                                                    and set(map(len, hashes)) == self._digest_sizes)):
+            return hashes[:]  # the manager's runs: checked in two C-level passes (the loop names a bad one)
         if isinstance(hashes, (bytes, bytearray, str)) or not hasattr(hashes, "__len__"):
             raise TypeError(f"{o}: hashes={hashes!r:.60}, must be a sequence of bytes")
         size = digest_size(self._params.hash_algo)
-        if type(hashes) is list and (not hashes or (set(map(type, hashes)) == {bytes}
-                                                    and set(map(len, hashes)) == {size})):
-            return hashes[:]  # the manager's runs: checked in two C-level passes (the loop names a bad one)
         out = []
         for i, h in enumerate(hashes):
             if not isinstance(h, (bytes, bytearray)):
@@ -1098,17 +1145,22 @@ class TieredConnector:
             out.append(bytes(h))
         return out
 
-    def _check_hashes_tokens(self, o: str, hashes, tokens) -> tuple[list[bytes], np.ndarray]:
+    def _check_hashes_tokens(self, o: str, hashes, tokens, *, copy: bool = True) -> tuple[list[bytes], np.ndarray]:
+        """The hashes (a copy) and the tokens as int32 ``[n, page_size]`` (a copy unless ``copy``
+        is False and they are int32 already: ``lookup`` keeps nothing)."""
         hs = self._check_hashes(o, hashes)
         ps = self._params.page_size
-        arr = np.asarray(tokens)
+        arr = tokens if type(tokens) is np.ndarray else np.asarray(tokens)
         if arr.size == 0 and not hs:
             return hs, np.zeros((0, ps), dtype=np.int32)
-        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        dt = arr.dtype
+        if dt.kind not in "iu" and arr.size:  # np.issubdtype(dt, np.integer), without its cost
             raise TypeError(f"{o}: tokens dtype={arr.dtype}, must be an integer type")
         if arr.shape != (len(hs), ps):
             raise ValueError(f"{o}: tokens shape={arr.shape} != (len(hashes)={len(hs)}, page_size={ps})")
-        if arr.dtype != np.int32 and (arr.min() < -(2**31) or arr.max() > 2**31 - 1):
+        if dt is _INT32 or dt == _INT32:
+            return hs, (arr.copy() if copy else arr)
+        if arr.min() < -(2**31) or arr.max() > 2**31 - 1:
             raise ValueError(f"{o}: tokens value out of int32 range")
         return hs, arr.astype(np.int32)
 
@@ -1118,7 +1170,7 @@ class TieredConnector:
         if len(block_ids) != n:
             raise ValueError(f"{o}: len(block_ids)={len(block_ids)} != len(hashes)={n}")
         num_blocks = self._stores[replica_idx].num_pages
-        if (type(block_ids) is list and n and set(map(type, block_ids)) == {int}
+        if (type(block_ids) is list and n and set(map(type, block_ids)) == _INTS
                 and 0 < min(block_ids) and max(block_ids) < num_blocks
                 and (not distinct or len(set(block_ids)) == n)):
             return block_ids[:]  # the manager's pages: checked in C-level passes (the loop names a bad one)
