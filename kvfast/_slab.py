@@ -6,7 +6,8 @@ Python object per huge block: ``owner`` and ``live`` are int32 arrays, the
 parked queue is an intrusive list in two int32 arrays ``prev`` / ``next``
 with sentinels ``HEAD = num_huge_blocks`` and ``TAIL = num_huge_blocks + 1``,
 so parking, un-parking from the middle and claiming the front are O(1). The batched calls
-(``claim_pristine``, ``claim_front``, ``take_pages``, ``take_idle``, ``drop_idle``) run as one
+(``claim_pristine``, ``claim_front``, ``take_pages``, ``take_idle``, ``drop_idle``,
+``claim_pristine_pages``) run as one
 Numba pass each (a single block in Python, cheaper than a kernel call), leaving exactly the state
 of their loops of single-block calls. The policy over it (which leaf claims what, when) is
 ``kvref.Slab``'s; this module holds no policy.
@@ -18,7 +19,7 @@ import numpy as np
 from kvspec.engine import PRISTINE
 from numba import njit
 
-from ._block_pool import _ids
+from ._block_pool import _SMALL, _ids
 from ._numba.freelist import insert_before, unlink
 
 
@@ -117,9 +118,9 @@ def _claim_front(prev, next_, parked, owner, parked_typed, head, leaf, hs, prevs
 
 
 @njit(nogil=True, cache=True)
-def _claim_run(prev, next_, parked, owner, head, h0, h1, leaf):
-    """Unlink the run ``h0 .. h1-1`` at the front of the parked queue (pristine, consecutive) and
-    type it to ``leaf``."""
+def _claim_run(prev, next_, parked, owner, live, head, h0, h1, leaf, pages, ratio):
+    """Unlink the run ``h0 .. h1-1`` at the front of the parked queue (pristine, consecutive), type it
+    to ``leaf`` and reference its first ``pages`` pages (``ratio`` per block): ``live += 1`` each."""
     after = next_[h1 - 1]
     next_[head] = after
     prev[after] = head
@@ -128,6 +129,9 @@ def _claim_run(prev, next_, parked, owner, head, h0, h1, leaf):
         next_[h] = -1
         parked[h] = False
         owner[h] = leaf
+        left = pages - (h - h0) * ratio
+        if left > 0:
+            live[h] += min(left, ratio)
 
 
 _NO_REFS = np.zeros(1, np.int32)
@@ -157,7 +161,7 @@ def _warm() -> None:
     _take_pages(prev, nxt, parked, owner, live, typed, hs, 1, rc, True)
     _drop_idle(prev, nxt, parked, owner, live, typed, n + 1, hs, 1, rc)
     _claim_front(prev, nxt, parked, owner, typed, n, 0, np.empty(0, np.int32), np.empty(0, np.int32))
-    _claim_run(prev, nxt, parked, owner, n, 1, 1, 0)  # an empty run (the scratch arrays only)
+    _claim_run(prev, nxt, parked, owner, live, n, 1, 1, 0, 0, 1)  # an empty run (the scratch arrays only)
     _warmed = True
 
 
@@ -248,16 +252,26 @@ class FastSlabTable:
         self.live[h] = v
         return v
 
+    def _take_one(self, h: int) -> None:
+        """``take([h])`` in Python (a decode step's page: no kernel call)."""
+        if self._parked[h]:
+            self.unpark(h)
+        self.live[h] += 1
+
+    def _drop_one(self, h: int) -> None:
+        """``drop([h])`` in Python (a decode step's page: no kernel call)."""
+        v = int(self.live[h]) - 1
+        self.live[h] = v
+        if v == 0:
+            self.park(h)
+
     def take(self, hs) -> None:
         if type(hs) is not list and not isinstance(hs, np.ndarray):
             hs = list(hs)
-        if not len(hs):
-            return
-        if len(hs) == 1:  # a decode step's page: no kernel call
-            h = hs[0]
-            if self._parked[h]:
-                self.unpark(h)
-            self.live[h] += 1
+        n = len(hs)
+        if n <= 1:
+            if n:
+                self._take_one(hs[0])
             return
         arr = np.asarray(hs, dtype=np.int64)
         self._num_parked -= _take(self._prev, self._next, self._parked, self.owner, self.live, self._parked_typed,
@@ -266,14 +280,10 @@ class FastSlabTable:
     def drop(self, hs) -> None:
         if type(hs) is not list and not isinstance(hs, np.ndarray):
             hs = list(hs)
-        if not len(hs):
-            return
-        if len(hs) == 1:  # a decode step's page: no kernel call
-            h = hs[0]
-            v = int(self.live[h]) - 1
-            self.live[h] = v
-            if v == 0:
-                self.park(h)
+        n = len(hs)
+        if n <= 1:
+            if n:
+                self._drop_one(hs[0])
             return
         arr = np.asarray(hs, dtype=np.int64)
         self._num_parked += _drop(self._prev, self._next, self._parked, self.owner, self.live, self._parked_typed,
@@ -283,12 +293,21 @@ class FastSlabTable:
         """Up to ``k`` pristine blocks off the queue's front, typed to ``leaf``: the pristine blocks
         are the ids ``front .. num_huge_blocks-1`` at the front in order (``kvspec.engine.SlabTable``),
         so the run is unlinked in one pass."""
+        return self._claim_pristine(leaf, k, 0, 1)
+
+    def claim_pristine_pages(self, leaf: int, n: int, ratio: int) -> range:
+        """:meth:`claim_pristine` of ``ceil(n / ratio)`` blocks and ``take_pages`` of their first ``n``
+        pages, in the same pass."""
+        return self._claim_pristine(leaf, -(-n // ratio), n, ratio)
+
+    def _claim_pristine(self, leaf: int, k: int, pages: int, ratio: int) -> range:
         h0 = int(self._next[self._head])
         if h0 == self._tail or self.owner[h0] != PRISTINE or k <= 0:
             h0 = 0 if h0 == self._tail else h0
             return range(h0, h0)
         h1 = min(h0 + k, self.num_huge_blocks)
-        _claim_run(self._prev, self._next, self._parked, self.owner, self._head, h0, h1, leaf)
+        _claim_run(self._prev, self._next, self._parked, self.owner, self.live, self._head, h0, h1, leaf, pages,
+                   ratio)
         self._num_parked -= h1 - h0
         return range(h0, h1)
 
@@ -310,29 +329,51 @@ class FastSlabTable:
         n = len(pages)
         if n <= 1:
             if n:
-                self.take([pages[0] // ratio])
+                self._take_one(pages[0] // ratio)
             return
-        arr = _ids(pages)
         self._num_parked -= _take_pages(self._prev, self._next, self._parked, self.owner, self.live,
-                                        self._parked_typed, arr, ratio, _NO_REFS, False)
+                                        self._parked_typed, _ids(pages), ratio, _NO_REFS, False)
 
     def take_idle(self, pages, ratio: int, ref_count) -> None:
         n = len(pages)
         if n <= 1 or not isinstance(ref_count, np.ndarray):
             self.take([b // ratio for b in pages if ref_count[b] == 0])
             return
-        arr = _ids(pages)
         self._num_parked -= _take_pages(self._prev, self._next, self._parked, self.owner, self.live,
-                                        self._parked_typed, arr, ratio, ref_count, True)
+                                        self._parked_typed, _ids(pages), ratio, ref_count, True)
 
     def drop_idle(self, pages, ratio: int, ref_count) -> None:
         n = len(pages)
         if n <= 1 or not isinstance(ref_count, np.ndarray):
+            if n == 1:
+                b = pages[0]
+                if b and ref_count[b] == 0:
+                    self._drop_one(b // ratio)
+                return
             self.drop([b // ratio for b in pages if b and ref_count[b] == 0])
             return
-        arr = _ids(pages)
         self._num_parked += _drop_idle(self._prev, self._next, self._parked, self.owner, self.live,
-                                       self._parked_typed, self._tail, arr, ratio, ref_count)
+                                       self._parked_typed, self._tail, _ids(pages), ratio, ref_count)
+
+    def free_pages(self, pool, pages, ratio: int, claim: tuple[int, float] | None = None) -> None:
+        """``pool.free(pages)`` (``pool.retain_free(pages, *claim)``), then :meth:`drop_idle` of them;
+        the ids of a run the pool passes to a kernel are converted once, for both kernels (a short
+        list keeps the pool's Python ``free``)."""
+        if len(pages) > (1 if claim is not None else _SMALL) and isinstance(pool.ref_count, np.ndarray):
+            pages = _ids(pages)  # what the pool's kernel call converts to; the table reuses it
+        if claim is None:
+            pool.free(pages)
+        else:
+            pool.retain_free(pages, claim[0], claim[1])
+        self.drop_idle(pages, ratio, pool.ref_count)
+
+    def touch_pages(self, pool, pages, ratio: int) -> int:
+        """:meth:`take_idle` of ``pages``, then ``pool.touch_many(pages)``; the ids of a long run are
+        converted once, for both kernels (a short list keeps the pool's Python path)."""
+        if len(pages) > _SMALL and isinstance(pool.ref_count, np.ndarray):
+            pages = _ids(pages)
+        self.take_idle(pages, ratio, pool.ref_count)
+        return pool.touch_many(pages)
 
     def parked_order(self) -> list[int]:
         out, nxt, h = [], self._next, int(self._next[self._head])

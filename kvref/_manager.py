@@ -504,7 +504,8 @@ class PagedKVCacheManager:
         if len(have) >= n:
             return have if len(have) == n else have[:n]
         parent = have[-1] if have else self._root(ctx.cache_salt)
-        more = self._engine.chain_hashes(parent, ctx.tokens[len(have) * self._page : n * self._page], self._page,
+        # (ctx._tokens: the context's token buffer; the blocks hashed lie below len(ctx), as in ctx.tokens)
+        more = self._engine.chain_hashes(parent, ctx._tokens[len(have) * self._page : n * self._page], self._page,
                                          self._params.hash_algo)
         return list(have) + more
 
@@ -839,7 +840,7 @@ class PagedKVCacheManager:
         pops: list[int] = []  # pages the peer copies draw, in order (spec/manager.md §7.3)
         if self._at_reuse_point(req, ctx):
             touched = {}
-            tokens = ctx.tokens
+            tokens = ctx._tokens[: ctx._length]  # ctx.tokens without building its read-only view
             hashes = self._hashes_for(ctx, req.hashes)
             cap = min(len(hashes), (ctx.active_length - 1) // page)
             resident = self._resident(r, hashes, tokens)
@@ -1491,7 +1492,8 @@ class PagedKVCacheManager:
             op = "step"
             self._check_open(op)
             req = self._req(op, ctx)  # raises, or adopts a replacement context (spec/manager.md §2.3)
-        if req.dummy:
+        settled = req.settled  # not a dummy, no load, no admission flag: only the commits below
+        if not settled and req.dummy:
             return
         rows = req.rows
         cap = min([len(rows[lid]) for lid in self._paged_ids]) * self._page
@@ -1500,23 +1502,25 @@ class PagedKVCacheManager:
                 f"step: processed_length={ctx.processed_length} > {cap} tokens in the allocated rows; "
                 "alloc must be called before the forward"
             )
-        errors = self._poll_load(req.load) if req.load is not None and req.load.state == "pending" else []
-        if errors:
-            raise errors[0]
+        if not settled:
+            errors = self._poll_load(req.load) if req.load is not None and req.load.state == "pending" else []
+            if errors:
+                raise errors[0]
         req.step_gen += 1
-        # the admission's flags cleared (only those set: each write re-derives req.settled)
-        if req.ext_point:
-            req.ext_point = False
-        if req.lookup is not None:
-            req.lookup = None
-        if req.lookup_pending:
-            req.lookup_pending = False
-        if req.load is not None:
-            if req.load.state == "failed":
-                req.ran_past = True  # spec/manager.md §9.6: the forward read pages that never landed
+        if not settled:
+            # the admission's flags cleared (only those set: each write re-derives req.settled)
+            if req.ext_point:
+                req.ext_point = False
+            if req.lookup is not None:
+                req.lookup = None
+            if req.lookup_pending:
+                req.lookup_pending = False
+            if req.load is not None:
+                if req.load.state == "failed":
+                    req.ran_past = True  # spec/manager.md §9.6: the forward read pages that never landed
+                    return
+                req.stepped_during_load = True  # pending: commits wait for the landing
                 return
-            req.stepped_during_load = True  # pending: commits wait for the landing
-            return
         self._commit(req, ctx)
         if self._recurrent_leaves:
             self._checkpoint(req, ctx)
@@ -1535,7 +1539,7 @@ class PagedKVCacheManager:
         end = min(ctx.processed_length // page, len(hashes))
         if not self._parent_published(req, lo):
             return
-        tokens = ctx.tokens[lo * page : end * page]
+        tokens = ctx._tokens[lo * page : end * page]  # (end * page <= processed_length: ctx.tokens' slice)
         stop = end
         rows, pools, anchor = req.rows, self._pools[r], self._anchor
         for leaf in self._commit_order:  # the anchor first: nothing past its stop is published
@@ -1602,7 +1606,7 @@ class PagedKVCacheManager:
         i = p // self._page - 1
         if i >= len(req.hashes):
             return
-        h, toks = req.hashes[i], self._block_tokens(ctx.tokens, i)
+        h, toks = req.hashes[i], self._block_tokens(ctx._tokens, i)  # (block i < len(ctx): ctx.tokens' slice)
         for leaf in self._recurrent_leaves:
             row, pool = req.rows[leaf.leaf_id], self._pools[req.replica][leaf.leaf_id]
             if len(row) < 2 or pool.lookup(h, toks) is not None:

@@ -280,6 +280,13 @@ class ReferenceSlabTable:
             taken += 1
         return range(first, first + taken)
 
+    def claim_pristine_pages(self, leaf: int, n: int, ratio: int) -> range:
+        """:meth:`claim_pristine` of the blocks ``n`` pages of ``ratio`` per block fill, then
+        :meth:`take_pages` of the first ``n`` pages of the blocks taken (all of them when fewer)."""
+        hs = self.claim_pristine(leaf, -(-n // ratio))
+        self.take_pages(range(hs.start * ratio, min(hs.stop * ratio, hs.start * ratio + n)), ratio)
+        return hs
+
     def claim_front(self, leaf: int, k: int) -> tuple[list[int], list[int]]:
         """Take the ``k`` front blocks off the queue and type them to ``leaf``; returns them and their
         previous owners, front first."""
@@ -303,6 +310,22 @@ class ReferenceSlabTable:
     def drop_idle(self, pages, ratio: int, ref_count) -> None:
         """``drop`` of the huge block of each page ``!= 0`` of ``pages`` whose ref count is 0 (just freed)."""
         self.drop(b // ratio for b in pages if b and ref_count[b] == 0)
+
+    def free_pages(self, pool, pages, ratio: int, claim: tuple[int, float] | None = None) -> None:
+        """A leaf's ``pages`` let go: ``pool.free(pages)`` (with a retention claim ``(priority,
+        expiry)``: ``pool.retain_free(pages, priority, expiry)``), then :meth:`drop_idle` of them
+        against the pool's ref counts."""
+        if claim is None:
+            pool.free(pages)
+        else:
+            pool.retain_free(pages, *claim)
+        self.drop_idle(pages, ratio, pool.ref_count)
+
+    def touch_pages(self, pool, pages, ratio: int) -> int:
+        """A leaf's ``pages`` referenced once more: :meth:`take_idle` of them against the pool's ref
+        counts, then ``pool.touch_many(pages)``; returns what it returns."""
+        self.take_idle(pages, ratio, pool.ref_count)
+        return pool.touch_many(pages)
 
     def parked_order(self) -> list[int]:
         """The parked queue, front first (for tests)."""
@@ -504,7 +527,7 @@ class Slab:
     def allocate_one(self, leaf_id: str) -> int:
         inner, ratio, t = self.inner[leaf_id], self.ratios[leaf_id], self.table
         free, parked = inner.num_free, t.num_parked
-        if free + (parked - t.parked_typed(self._index[leaf_id])) * ratio < 1:  # num_free(leaf_id)
+        if not free and (parked - t.parked_typed(self._index[leaf_id])) * ratio < 1:  # num_free(leaf_id) < 1
             raise CapacityError(f"BlockPool.allocate: needs 1 blocks of leaf {leaf_id!r}, 0 free or evictable")
         # _wants_claim, inlined (a decode step's page)
         if not free or (parked and t.owner[t.front()] == PRISTINE and inner.unpublished_run(1) == 0):
@@ -526,6 +549,7 @@ class Slab:
             # With a pristine block parked, the unpublished run at the leaf's front is what it may pop
             # before the next claim; none (its next free page is published) is _wants_claim's claim.
             run = inner.unpublished_run(min(rest, free)) if pristine and free else 0
+            taken = 0  # leading pages of the draw the table already counts (a pristine claim's)
             if run:
                 k = run
             elif free and not pristine:
@@ -533,9 +557,10 @@ class Slab:
             elif pristine:
                 # each pristine block's pages are popped before the next claim (they are
                 # unpublished): claim as many as the rest needs at once, their pages in block
-                # order at the front
-                hs = t.claim_pristine(self._index[leaf_id], -(-rest // ratio))
+                # order at the front; the draw pops them first, so the claim counts them too
+                hs = t.claim_pristine_pages(self._index[leaf_id], rest, ratio)
                 inner.grant(range(hs.start * ratio, hs.stop * ratio))
+                taken = min(rest, len(hs) * ratio)
                 k = min(rest, inner.num_free)
                 if len(hs) * ratio < rest and t.num_parked and t.owner[t.front()] == PRISTINE:
                     k = max(1, inner.unpublished_run(k))  # (not reached: fewer pristine blocks than asked)
@@ -546,30 +571,26 @@ class Slab:
                 self._claim(leaf_id, -(-rest // ratio))
                 k = min(rest, inner.num_free)
             got = inner.allocate(k)
-            t.take_pages(got, ratio)
+            if k > taken:
+                t.take_pages(got[taken:] if taken else got, ratio)
             out += got
         return out
 
     def free(self, leaf_id: str, blocks: Iterable[int]) -> None:
-        inner, ratio = self.inner[leaf_id], self.ratios[leaf_id]
         if type(blocks) is not list:
             blocks = list(blocks)
-        if not blocks:
-            return
-        inner.free(blocks)  # skips the null page
-        # spec/manager.md §13.2: a block whose last page went idle parks (typed, commits kept), in order
-        self.table.drop_idle(blocks, ratio, inner.ref_count)
+        if blocks:
+            # spec/manager.md §13.2: a block whose last page went idle parks (typed, commits kept), in
+            # order (the inner pool skips the null page)
+            self.table.free_pages(self.inner[leaf_id], blocks, self.ratios[leaf_id])
 
     def retain_free(self, leaf_id: str, blocks: Iterable[int], priority: int, expiry: float) -> None:
         """:meth:`free` after the claim ``(priority, expiry)`` on ``blocks`` (the inner pool does both)."""
-        inner, ratio = self.inner[leaf_id], self.ratios[leaf_id]
         if type(blocks) is not list:
             blocks = list(blocks)
-        if not blocks:
-            return
-        inner.retain_free(blocks, priority, expiry)
-        # spec/manager.md §13.2: a block whose last page went idle parks (typed, commits kept), in order
-        self.table.drop_idle(blocks, ratio, inner.ref_count)
+        if blocks:
+            # spec/manager.md §13.2: as free, the claim merged first (spec/manager.md §14.2)
+            self.table.free_pages(self.inner[leaf_id], blocks, self.ratios[leaf_id], (priority, expiry))
 
     def touch(self, leaf_id: str, b: int) -> None:
         inner = self.inner[leaf_id]
@@ -578,9 +599,8 @@ class Slab:
         inner.touch(b)
 
     def touch_many(self, leaf_id: str, blocks: Sequence[int]) -> int:
-        inner = self.inner[leaf_id]
-        self.table.take_idle(blocks, self.ratios[leaf_id], inner.ref_count)
-        return inner.touch_many(blocks)
+        # spec/manager.md §13.2: a touched page of a parked block takes the block back
+        return self.table.touch_pages(self.inner[leaf_id], blocks, self.ratios[leaf_id])
 
     # ------------------------------------------------------------------ invariants and bytes
 

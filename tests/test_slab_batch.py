@@ -5,7 +5,7 @@
 ``free(leaf, pages)`` / ``touch_many(leaf, pages)`` as the per-page frees and
 touches, and the table's ``claim_pristine`` / ``claim_front`` / ``take_pages`` /
 ``take_idle`` / ``drop_idle`` and the pool's ``unpublished_run`` as loops of single-block
-calls. Hypothesis drives one program through a batched slab and a per-page
+calls (``claim_pristine_pages`` / ``free_pages`` / ``touch_pages`` as the two calls they stand for). Hypothesis drives one program through a batched slab and a per-page
 slab of each engine and compares every page id, free order, prefix index and
 huge-block state, and the two engines with each other.
 """
@@ -169,6 +169,55 @@ def test_table_batches_equal_their_loops(num_huge, leaf, ks, ratio, pages):
         assert (list(got[0]), [int(o) for o in got[1]]) == want, engine
         assert (a.parked_order(), a.owners(), a.num_parked) == (b.parked_order(), b.owners(), b.num_parked)
         assert all(a.parked_typed(i) == b.parked_typed(i) for i in range(3))
+
+
+@settings(max_examples=80, deadline=None)
+@given(num_huge=st.integers(2, 12), leaf=st.integers(0, 2), asks=st.lists(st.integers(0, 9), max_size=5),
+       ratio=st.integers(1, 4), seed=st.integers(0, 2**16), retain=st.booleans())
+def test_table_page_calls_equal_their_definitions(num_huge, leaf, asks, ratio, seed, retain):
+    """claim_pristine_pages = claim_pristine + take_pages of the first pages; free_pages = the pool's
+    free (or retain_free) + drop_idle; touch_pages = take_idle + the pool's touch_many; on both
+    tables, with each engine's pool."""
+    rng = np.random.default_rng(seed)
+    for engine, (Table, Pool) in ENGINES.items():
+        a, b = Table(num_huge, 3), Table(num_huge, 3)
+        pa, pb = Pool(num_huge * ratio), Pool(num_huge * ratio)
+        held = []
+        for n in asks:
+            got = a.claim_pristine_pages(leaf, n, ratio)
+            want = b.claim_pristine(leaf, -(-n // ratio))
+            pages = list(range(want.start * ratio, min(want.stop * ratio, want.start * ratio + n)))
+            b.take_pages(pages, ratio)
+            assert list(got) == list(want), engine
+            assert (a.parked_order(), a.owners(), a.live_counts(), a.num_parked) == \
+                (b.parked_order(), b.owners(), b.live_counts(), b.num_parked), engine
+            held += pages
+        if not held:
+            continue
+        for p in (pa, pb):  # the pages the claims took, referenced in their pools
+            p.revoke(range(1, p.num_blocks))
+            p.grant(held)
+            assert p.allocate(len(held)) == held
+        k = int(rng.integers(1, len(held) + 1))
+        pages = [held[i] for i in rng.permutation(len(held))[:k].tolist()]
+        claim = (int(rng.integers(0, 101)), float("inf")) if retain else None
+        a.free_pages(pa, pages, ratio, claim)
+        if retain:
+            pb.retain_free(pages, *claim)
+        else:
+            pb.free(pages)
+        b.drop_idle(pages, ratio, pb.ref_count)
+        assert (a.parked_order(), a.owners(), a.live_counts(), a.num_parked) == \
+            (b.parked_order(), b.owners(), b.live_counts(), b.num_parked), engine
+        assert (pa.free_order(), [int(c) for c in pa.ref_count]) == (pb.free_order(), [int(c) for c in pb.ref_count])
+        assert all(a.parked_typed(i) == b.parked_typed(i) for i in range(3))
+        back = pages[: int(rng.integers(1, len(pages) + 1))]  # some freed pages referenced again
+        got = a.touch_pages(pa, back, ratio)
+        b.take_idle(back, ratio, pb.ref_count)
+        assert int(got) == int(pb.touch_many(back)), engine
+        assert (a.parked_order(), a.owners(), a.live_counts(), a.num_parked) == \
+            (b.parked_order(), b.owners(), b.live_counts(), b.num_parked), engine
+        assert (pa.free_order(), [int(c) for c in pa.ref_count]) == (pb.free_order(), [int(c) for c in pb.ref_count])
 
 
 @settings(max_examples=80, deadline=None)

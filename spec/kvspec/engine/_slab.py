@@ -13,9 +13,12 @@ Implementations: ``kvref.ReferenceSlabTable`` (lists and an ordered dict) and
 per operation and give identical answers for identical calls.
 
 The batched calls (``claim_pristine``, ``claim_front``, ``take_pages``,
-``take_idle``, ``drop_idle``) are each defined as a loop of the single-block calls above; an
-engine may run them in one compiled pass (``kvfast``) but must leave exactly
-the state the loop leaves. Pristine huge blocks are only ever taken from the
+``take_idle``, ``drop_idle``) are each defined as a loop of the single-block
+calls above (``claim_pristine_pages``: ``claim_pristine`` then ``take_pages``;
+``free_pages``: a pool's free, then ``drop_idle``; ``touch_pages``: ``take_idle``,
+then a pool's ``touch_many``); an engine may
+run them in one compiled pass (``kvfast``) but must leave exactly the state
+the loop leaves. Pristine huge blocks are only ever taken from the
 queue's front and never return to it, so they are always the ids
 ``h0 .. num_huge_blocks-1`` in ascending order at the front of the queue.
 
@@ -93,6 +96,11 @@ class SlabTable(Protocol):
         ``leaf`` (``unpark`` + ``set_owner`` of each, front first); stops at the first typed block.
         Returns the blocks taken, a run of consecutive ids (see the module docstring)."""
 
+    def claim_pristine_pages(self, leaf: int, n: int, ratio: int) -> range:
+        """``claim_pristine(leaf, ceil(n / ratio))``, then ``take_pages`` of the first ``n`` pages of the
+        blocks taken (all of their pages when fewer; ``ratio`` pages per block, ascending): the claim
+        of a draw of ``n`` pages, which pops the granted pages first. Returns the blocks taken."""
+
     def claim_front(self, leaf: int, k: int) -> tuple[list[int], list[int]]:
         """Take the ``k`` front blocks off the parked queue (the caller checked ``k <= num_parked``)
         and type them to ``leaf`` (``front`` + ``unpark`` + ``set_owner`` of each, in order).
@@ -109,6 +117,18 @@ class SlabTable(Protocol):
     def drop_idle(self, pages, ratio: int, ref_count) -> None:
         """``drop`` of ``p // ratio`` for each page ``p != 0`` of ``pages`` whose ``ref_count[p]`` is 0,
         in order: the pages were just freed, the ones that went idle release their huge blocks."""
+
+    def free_pages(self, pool, pages, ratio: int, claim: tuple[int, float] | None = None) -> None:
+        """A leaf's ``pages`` let go in one call: ``pool.free(pages)`` (with a retention claim
+        ``(priority, expiry)``: ``pool.retain_free(pages, priority, expiry)``), then
+        ``drop_idle(pages, ratio, pool.ref_count)``. ``pool`` is the leaf's ``BlockPool`` (``ratio``
+        pages per huge block); an engine may convert the page ids once for both. The pool's errors
+        are raised before the table changes."""
+
+    def touch_pages(self, pool, pages, ratio: int) -> int:
+        """A leaf's ``pages`` (distinct, none null) referenced once more in one call:
+        ``take_idle(pages, ratio, pool.ref_count)``, then ``pool.touch_many(pages)``, whose count of
+        revived pages it returns."""
 
     def parked_order(self) -> list[int]:
         """The parked queue front to back (for tests)."""
