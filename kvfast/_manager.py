@@ -174,7 +174,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                     # Not at the reuse point (the row holds pages): only growth, no splice; every
                     # paged row has the anchor's length (spec/manager.md §4.6).
                     short = processed + active - len(row) * page
-                    if (short > 0 or self._state_ids) and not self._grow_rows(
+                    if (short > 0 or self._state_ids and self._states_short(req)) and not self._grow_rows(
                             req, row, -(-short // page) if short > 0 else 0):
                         return super().alloc(ctx)  # short of pages: the policy waits for offloads or raises
                     self._metrics.input_tokens += req.count_forward(active)  # spec/manager.md §4.9
@@ -195,6 +195,15 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             if not rows[lid]:
                 return False
         return True
+
+    def _states_short(self, req) -> bool:
+        """Some state row lacks its successor page (with prefix caching a state row holds the live
+        page and a successor, spec/manager.md §5.2): the sizing draws one."""
+        rows, full = req.rows, self._state_len
+        for lid in self._state_ids:
+            if len(rows[lid]) < full:
+                return True
+        return False
 
     def _grow_rows(self, req, row: list[int], need: int) -> bool:
         """The sizing of a ``running`` request (spec/manager.md §4.6): ``need`` pages onto every

@@ -1165,9 +1165,11 @@ class PagedKVCacheManager:
             self._unpin_leaves(r, leaf_pages)  # spec/manager.md §9.8
         pins = self._pins[r]
         for b in pages:
-            pins[b] -= 1
-            if not pins[b]:
-                del pins[b]
+            n = pins[b] - 1
+            if n:
+                pins[b] = n
+            else:
+                dict.__delitem__(pins, b)  # (Counter's own __delitem__ is Python code)
         self._pools[r][self._conn_leaf].free(pages[::-1])  # spec/manager.md §9.2: tail first
 
     def _undo_failed_load(self, req: _Request, ctx: TextContext) -> None:

@@ -39,6 +39,8 @@ NEVER = math.inf
 
 def check_priority(owner: str, value, name: str = "retention_priority") -> int:
     """``value`` as an int in ``0 .. 100``; ``TypeError`` / ``ValueError`` naming ``owner`` and ``name``."""
+    if type(value) is int and MIN_PRIORITY <= value <= MAX_PRIORITY:
+        return value  # the common case, without the ABC check (a release's claim on its pages)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{owner}: {name}={value!r}, must be an int in {MIN_PRIORITY}..{MAX_PRIORITY}")
     v = int(value)
