@@ -202,7 +202,7 @@ def test_inputs_lane_serves_capture_widths_and_empty_batches(monkeypatch):
                    for bs, w in calls]
         assert got == want
         for bad in (0, 48, 129, True, 3.0):  # (4) and the type check: the policy's messages
-            errs = [_outcome(lambda m=m, c=c: m.runtime_inputs([[c], []], max_cache_length=bad))
+            errs = [_outcome(lambda m=m, c=c, bad=bad: m.runtime_inputs([[c], []], max_cache_length=bad))
                     for m, c in zip(ms, cs)]
             assert errs[0] == errs[1] and errs[0][0] == "err", errs
         if "rec" in p.leaves():
