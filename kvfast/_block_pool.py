@@ -535,10 +535,14 @@ class BlockPool:
             return twin if self._holds(twin, toks) else block
         self.block_hash[block] = h
         w = toks.shape[0]
-        if w > self._tok.shape[1]:
+        width = self._tok.shape[1]
+        if w > width:
             self._store(np.array([block]), toks.reshape(1, w))
         else:
-            self._tok[block, :w] = toks
+            if w == width:
+                self._tok[block] = toks  # a whole row: no slice object (a page fill's common case)
+            else:
+                self._tok[block, :w] = toks
             self._tl[block] = w
         self._pub[block] = True
         return block
