@@ -444,6 +444,8 @@ class BlockPool:
         """
         priority = _ret.check_priority("BlockPool.retain_free", priority, "priority")
         expiry = _check_expiry(expiry)
+        if type(blocks) is list and len(blocks) == 1 and type(blocks[0]) is int:
+            return self._retain_free_one(blocks[0], priority, expiry)  # a slide's or checkpoint's page
         blocks = _ids(blocks)
         if blocks.size == 0:
             return
@@ -466,8 +468,29 @@ class BlockPool:
             b = int(blocks[bad])
             raise AssertionError(f"BlockPool.retain_free: block {b} ref_count={int(self.ref_count[b])}")
 
-    def _free_one(self, b: int) -> None:
-        """``free([b])`` in Python, the free list's rule (front if unpublished, back if published)."""
+    def _retain_free_one(self, b: int, priority: int, expiry: float) -> None:
+        """``retain_free([b], priority, expiry)`` in Python (no kernel call for one page): the same
+        checks, merge and clock reading as the kernel pass."""
+        if not 0 <= b < self.num_blocks:
+            raise IndexError(f"BlockPool.retain_free: block {b} out of range 0..{self.num_blocks - 1}")
+        if b == NULL_BLOCK:
+            return
+        r = self._rc[b]
+        if r <= 0:
+            raise AssertionError(f"BlockPool.retain_free: block {b} ref_count={r}")
+        timed = self._ttl or expiry != _ret.NEVER  # as set_retention: a finite claim starts the clock
+        now = float(self.clock()) if timed else -math.inf
+        if self._pub[b]:
+            p, e = _ret.merge(int(self.priority[b]), float(self.expiry[b]), priority, expiry, now)
+            self.priority[b] = p
+            self.expiry[b] = e
+        if expiry != _ret.NEVER:
+            self._ttl = True
+        self._free_one(b, now)
+
+    def _free_one(self, b: int, now: float | None = None) -> None:
+        """``free([b])`` in Python, the free list's rule (front if unpublished, back if published);
+        ``now``: the clock reading to expire a claim at (None: read it when a claim has an expiry)."""
         if b == NULL_BLOCK:
             return
         rc = self._rc
@@ -480,7 +503,7 @@ class BlockPool:
         prv, nxt = self._pv, self._nx
         if self._pub[b]:
             e = self.expiry[b]
-            if e != _ret.NEVER and e <= self.clock():  # spec/manager.md §14.5: checked when freed
+            if e != _ret.NEVER and e <= (self.clock() if now is None else now):  # spec/manager.md §14.5: when freed
                 self.priority[b] = _ret.NO_CLAIM
                 self.expiry[b] = e = _ret.NEVER
             pr = int(self.priority[b])

@@ -95,3 +95,36 @@ def test_reference_retain_free_is_the_two_calls():
     a.free(row)
     b.retain_free(row, 80, np.inf)
     assert a.free_order() == b.free_order() and a.retention(pages[0]) == b.retention(pages[0]) == (80, np.inf)
+
+
+@settings(deadline=None)
+@given(ops=ops_strategy, prio=st.sampled_from([10, 35, 80]), secs=st.one_of(st.none(), st.floats(0, 3)),
+       pick=st.integers(0, 40), share=st.booleans())
+def test_one_page_path_equals_the_kernel_pass(ops, prio, secs, pick, share):
+    """``retain_free([b])`` (one page: Python, no kernel call) leaves the state of the kernel pass
+    over the same page, under a clock that moves at every reading (both read it once)."""
+    a, held, now_a = _build(ops, 100.0)
+    b, _, _ = _build(ops, 100.0)
+    if not held:
+        return
+    page = held[pick % len(held)]
+    if share:  # another holder references it too: the claim merges, the page stays held
+        a.touch(page)
+        b.touch(page)
+    for pool in (a, b):
+        ticks = [now_a[0]]
+
+        def clock(ticks=ticks):
+            ticks[0] += 0.25
+            return ticks[0]
+
+        pool.clock = clock
+    expiry = np.inf if secs is None else now_a[0] + secs
+    a.retain_free([page], prio, expiry)
+    b.retain_free(np.array([page], np.int64), prio, expiry)
+    assert _state(a) == _state(b)
+    for bad in (N, -1):  # the range check, nothing changed
+        before = _state(a)
+        with pytest.raises(IndexError, match=rf"^BlockPool.retain_free: block {bad} out of range 0..{N - 1}$"):
+            a.retain_free([bad], prio, expiry)
+        assert _state(a) == before
