@@ -139,7 +139,7 @@ def test_redis_ttl_follows_retention_seconds(redis_server):
                 break
             conn.poll_transfers()
             time.sleep(0.05)
-    assert len(keys) == 4  # two blocks of each request
+    assert len(keys) == 4, (keys, conn.remote_metrics(), conn.metrics)  # two blocks of each request
     assert len(long) == 2 and all(ttls[k] <= 600_000 for k in long)  # the claim's TTL, never more
     assert all(0 < t <= 2000 for k, t in ttls.items() if k not in long)  # the tier's own TTL
     m.shutdown()
