@@ -167,20 +167,24 @@ class BlockPool:
         self._off = np.zeros(n, np.bool_)
         self._views()
 
+    #: ``(view, array)`` attribute names: the memoryviews the one-block paths use (below)
+    _VIEWS = (("_nx", "_next"), ("_pv", "_prev"), ("_rc", "ref_count"), ("_pub", "_published"),
+              ("_tl", "_tok_len"))
+
     def _views(self) -> None:
-        """Memoryviews of the arrays the one-block paths (``allocate_one``, ``publish_tokens``)
-        update element by element: an item of a memoryview reads and writes a Python int in
-        about half the time of a NumPy scalar index. They share the arrays' memory; every
-        assignment of those arrays calls this again."""
-        self._nx, self._pv, self._rc = memoryview(self._next), memoryview(self._prev), memoryview(self.ref_count)
-        self._pub, self._tl = memoryview(self._published), memoryview(self._tok_len)
+        """Memoryviews of the arrays the one-block paths (``allocate_one``, ``touch``, ``free`` and
+        ``retain_free`` of one page, ``_publish``) update element by element: an item of a memoryview
+        reads and writes a Python int in about half the time of a NumPy scalar index. They share the
+        arrays' memory; every assignment of those arrays calls this again."""
+        for view, array in self._VIEWS:
+            setattr(self, view, memoryview(getattr(self, array)))
 
     def __getstate__(self) -> dict:
         """The state without the memoryviews (they cannot be pickled or deep-copied); a copy
         gets its own over its own arrays (``__setstate__``)."""
         state = self.__dict__.copy()
-        for name in ("_nx", "_pv", "_rc", "_pub", "_tl"):
-            del state[name]
+        for view, _ in self._VIEWS:
+            del state[view]
         return state
 
     def __setstate__(self, state: dict) -> None:
