@@ -182,10 +182,7 @@ class EntryIndex:
         the next read (see the module doc)."""
         hs = list(hashes)
         if hs:
-            self._log.append((hs, priority, expiry, self.clock() if now is None else now))
-            self._logged += len(hs)
-            if self._logged > len(self._index) + _LOG_SLACK:
-                self._sync()
+            self._enlog(hs, priority, expiry, self.clock() if now is None else now)
 
     def _set_retention_now(self, hashes: list[bytes], priority: int, expiry: float, now: float) -> None:
         """``set_retention`` applied, merging at ``now`` (the clock when it was called)."""
@@ -254,10 +251,16 @@ class EntryIndex:
         last one ends up most recent). Logged, applied before the next read (module doc)."""
         hs = list(hashes)
         if hs:
-            self._log.append((hs, None, None, None))
-            self._logged += len(hs)
-            if self._logged > len(self._index) + _LOG_SLACK:
-                self._sync()
+            self._enlog(hs)
+
+    def _enlog(self, hs: list[bytes], priority: int | None = None, expiry: float | None = None,
+               now: float | None = None) -> None:
+        """Log a touch (``priority`` None) or a claim; applied on the caller once the log holds
+        more hashes than the index has entries plus ``_LOG_SLACK`` (bounded memory)."""
+        self._log.append((hs, priority, expiry, now))
+        self._logged += len(hs)
+        if self._logged > len(self._index) + _LOG_SLACK:
+            self._sync()
 
     def _sync(self) -> None:
         """Apply the logged touches and claims, in call order."""
