@@ -87,6 +87,17 @@ def _slab_geometry(params: KVCacheParams, leaves: list[Leaf]) -> SlabGeometry:
 # --------------------------------------------------------------------------- manager
 
 
+def _drop_pins(pins: Counter, keys) -> None:
+    """One pin less on each of ``keys``; a key at 0 leaves ``pins`` (``dict.__delitem__``: Counter's
+    own ``__delitem__`` is Python code)."""
+    for key in keys:
+        n = pins[key] - 1
+        if n:
+            pins[key] = n
+        else:
+            dict.__delitem__(pins, key)
+
+
 class PagedKVCacheManager:
     """Request-level paged KV cache with prefix caching, replicas and tiers.
 
@@ -1163,13 +1174,7 @@ class PagedKVCacheManager:
     def _unpin(self, r: int, pages: list[int], leaf_pages: dict[str, list[int]] | None = None) -> None:
         if leaf_pages:
             self._unpin_leaves(r, leaf_pages)  # spec/manager.md §9.8
-        pins = self._pins[r]
-        for b in pages:
-            n = pins[b] - 1
-            if n:
-                pins[b] = n
-            else:
-                dict.__delitem__(pins, b)  # (Counter's own __delitem__ is Python code)
+        _drop_pins(self._pins[r], pages)
         self._pools[r][self._conn_leaf].free(pages[::-1])  # spec/manager.md §9.2: tail first
 
     def _undo_failed_load(self, req: _Request, ctx: TextContext) -> None:
@@ -1323,10 +1328,7 @@ class PagedKVCacheManager:
     def _unpin_leaves(self, r: int, leaf_pages: dict[str, list[int]]) -> None:
         pins = self._leaf_pins[r]
         for lid, pages in leaf_pages.items():
-            for b in pages:
-                pins[(lid, b)] -= 1
-                if not pins[(lid, b)]:
-                    del pins[(lid, b)]
+            _drop_pins(pins, [(lid, b) for b in pages])
             self._pools[r][lid].free(pages[::-1])  # spec/manager.md §9.2: tail first
 
     def _publish_leaf_load(self, load: _Load) -> None:
