@@ -247,11 +247,6 @@ class FastSlabTable:
     def set_owner(self, h: int, leaf: int) -> None:
         self.owner[h] = leaf
 
-    def add_live(self, h: int, delta: int) -> int:
-        v = int(self.live[h]) + delta
-        self.live[h] = v
-        return v
-
     def _take_one(self, h: int) -> None:
         """``take([h])`` in Python (a decode step's page: no kernel call)."""
         if self._parked[h]:

@@ -538,10 +538,6 @@ class DiskTier(EntryIndex):
 
     # ------------------------------------------------------------------ paths and IO
 
-    def path_for(self, block_hash: bytes) -> Path:
-        hx = bytes(block_hash).hex()
-        return self.root / hx[:2] / (hx + BLOCK_SUFFIX)
-
     def write_block(self, block_hash: bytes, tokens: np.ndarray, payload: np.ndarray, generation: int) -> int:
         """Write a block file atomically (temp, fsync, replace, dir fsync);
         returns the bytes written. Raises ``OSError`` (the temp file removed)."""

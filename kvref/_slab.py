@@ -244,11 +244,6 @@ class ReferenceSlabTable:
         """Type unparked ``h`` to ``leaf``."""
         self.owner[h] = leaf
 
-    def add_live(self, h: int, delta: int) -> int:
-        """``live[h] += delta``; returns the new count."""
-        self.live[h] += delta
-        return self.live[h]
-
     def take(self, hs) -> None:
         """For each huge block of ``hs`` in order, a page of it referenced again: off the parked queue
         if parked, ``live += 1``."""

@@ -15,7 +15,7 @@ from kvspec._interop import host_array, is_torch_bfloat16
 
 from ._module import cupy
 
-__all__ = ["float_to_bf16_bits", "to_device_storage", "shape_proxy", "rows_contiguous", "storage_float32",
+__all__ = ["float_to_bf16_bits", "to_device_storage", "rows_contiguous", "storage_float32",
            "query_float32"]
 
 
@@ -111,12 +111,6 @@ def _host_to_device(api: str, name: str, x, bf16: bool):
     if host.dtype.kind in "fiub":
         return cp.asarray(host), False
     raise TypeError(f"{api}: {name} dtype={host.dtype}, must be a floating type")
-
-
-def shape_proxy(x) -> np.ndarray:
-    """A zero-byte host float32 array of ``x``'s shape, for the reference's shape checks
-    (``kvref.ops._check_heads``) on a device array without copying it."""
-    return np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), shape=x.shape, strides=(0,) * x.ndim)
 
 
 def rows_contiguous(x):

@@ -80,9 +80,6 @@ class SlabTable(Protocol):
     def set_owner(self, h: int, leaf: int) -> None:
         """Type ``h`` to ``leaf``."""
 
-    def add_live(self, h: int, delta: int) -> int:
-        """``live[h] += delta``; returns the new count."""
-
     def take(self, hs) -> None:
         """For each huge block of ``hs`` in order (a page of it referenced again): off the parked
         queue if parked, ``live += 1``."""
