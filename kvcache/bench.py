@@ -271,13 +271,18 @@ def _replay_case(num_requests: int, repeat: int) -> dict:
 
 # --------------------------------------------------------------------------- manager configurations
 
-#: The configurations of issue 12's table: ``name -> KVCacheParams keyword arguments``.
+#: The configurations of issue 12's table, then MAX's speculative decoding (spec/manager.md §15:
+#: the loop sets ``k`` drafts after every sampled token, all rejected, so the tokens, hits and
+#: peak stay those of the other rows) and FP8 K/V (spec/manager.md §16): ``name -> KVCacheParams
+#: keyword arguments``.
 MANAGER_CONFIGS = {
     "one full leaf": {},
     "data_parallel_degree=2": {"data_parallel_degree": 2},
     "host tier": {"host_offload_bytes": 64 << 20},
     "full + sliding window": {"leaves": "swa"},
     "full + recurrent": {"leaves": "rec"},
+    "speculative (eagle, k=2)": {"speculative_method": "eagle", "num_draft_tokens": 2},
+    "FP8 (float8_e4m3fn)": {"dtype": "float8_e4m3fn"},
 }
 
 
@@ -313,7 +318,8 @@ def scheduler_loop(manager_cls, config: str, prompts, gen, *, wave: int = 16, nu
     """Drive ``manager_cls`` the way a scheduler does (issue 12): per wave, ``claim`` + ``alloc``
     (prefix hit), then forwards until every request sampled its tokens: ``alloc`` +
     ``runtime_inputs`` + the forward (prefill in chunks ending at multiples of ``CHUNK`` tokens when
-    ``chunk_alignment_tokens`` asks, so recurrent checkpoints publish; then one sampled token) +
+    ``chunk_alignment_tokens`` asks, so recurrent checkpoints publish; then one sampled token and,
+    with ``num_draft_tokens``, that many drafts for the next forward to verify, all rejected) +
     ``step``; finally ``release``. Returns the CPU seconds of this thread spent in manager calls
     (``time.thread_time``: the bookkeeping itself, not the tiers' worker threads, and not time
     lost to other processes on a loaded machine), hit tokens and peak blocks.
@@ -326,6 +332,7 @@ def scheduler_loop(manager_cls, config: str, prompts, gen, *, wave: int = 16, nu
 
     params = manager_params(config)
     dp = params.data_parallel_degree
+    k = params.num_draft_tokens
     num_blocks *= len(params.leaves())
     gc.collect()
     m = manager_cls(params, num_blocks=num_blocks, max_batch_size=wave, max_seq_len=4096)
@@ -373,6 +380,8 @@ def scheduler_loop(manager_cls, config: str, prompts, gen, *, wave: int = 16, nu
                     else:
                         ctx.update(int(gen[ids[j], sampled[j]]))
                         sampled[j] += 1
+                        if k:  # the drafter's guesses for the next forward (spec/manager.md §15.2)
+                            ctx.spec_decoding_state.draft_tokens_to_verify = [int(gen[ids[j], 0])] * k
                 t0 = perf()
                 for j in live:
                     m.step(ctxs[j])

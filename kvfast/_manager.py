@@ -15,17 +15,17 @@ same results, errors and block ids (the differential and lane tests compare them
 with kvref); anything a lane does not cover goes to the policy. Which lanes exist
 is decided at construction:
 
-* every leaf set, replica count and connector (not speculative decoding, not FP8
-  scales): the growth of a request past its admission (``alloc``: the drain, the
-  sizing of every paged row from one slab, the count), the step that fills no
-  page, checkpoints no state and slides no window (``step``: the count), and the
+* every leaf set, replica count, connector, draft count and dtype: ``claim``, the
+  growth of a request past its admission (``alloc``: the drain, the sizing of every
+  paged row from one slab, the count; with drafts the rows cover ``seq_len``, and a
+  row past it rolls back through the policy), the step that fills no page,
+  checkpoints no state and slides no window (``step``: the count), and the
   forward's inputs (``runtime_inputs``: the batch's checks and one lookup table
-  per leaf in a few C-level passes);
+  per leaf in a few C-level passes; the drafts' lengths; FP8's scale fields);
 * one full-attention leaf besides: the one-block commit of a decode step, the
-  release (claim and free in one kernel pass, ``BlockPool.retain_free``), the
+  release (claim and free in one kernel pass, ``BlockPool.retain_free``) and the
   admission's splice (when no peer replica holds the block after the local run and
-  the tiers hold nothing past it: one connector lookup), and, without a connector,
-  ``claim``.
+  the tiers hold nothing past it: one connector lookup).
 
 The lanes read one field of the request record, ``settled`` (no load of its
 own, no external stage due, not a dummy row; spec/manager.md §2), instead of
@@ -103,9 +103,10 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                          device=device, connector=connector, clock=clock)
         # Decided here, once. The decode lanes (the claim, the growth of a request past its admission,
         # the decode step inside a page, the forward's inputs) serve every leaf set, replica count and
-        # connector; not speculative decoding (its slack and rollback, spec/manager.md §15) nor FP8
-        # scales (spec/manager.md §16), which the policy serves on this engine.
-        self._lane = not params.num_draft_tokens and not params.page_scales_shape
+        # connector, speculative decoding (spec/manager.md §15: the sizing reads seq_len; a row past
+        # its need, which rolls back, goes to the policy) and FP8 scales (spec/manager.md §16: the
+        # inputs carry the scale fields). Cleared by shutdown: a closed manager's calls go to the policy.
+        self._lane = True
         # One full leaf: the commit of a step, the release and the admission's splice have lanes too.
         self._single = self._lane and len(self._leaves) == 1 and self._leaves[0].kind is LeafKind.FULL
         # The admission's splice serves any replica, when no peer holds the block after the local run
@@ -121,6 +122,8 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         #: sliding leaves: (leaf id, blocks in the window), for the decode step's no-slide test
         self._windows = [(leaf.leaf_id, leaf.blocks_in_window) for leaf in self._leaves
                          if leaf.kind is LeafKind.SLIDING_WINDOW]
+        #: FP8 (spec/manager.md §16): a page's scales, in elements (the inputs' scales_page_stride)
+        self._scales_stride = int(np.prod(params.page_scales_shape)) if params.page_scales_shape else 0
         if params.hash_algo == "sha256":
             self._hash1 = _sha256_digest
         else:
@@ -161,25 +164,35 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         # Decode lane: a claimed request already holding pages that cover its next forward, with no
         # load of its own and no external stage due (spec/manager.md §4: only the drain, the sizing
         # and the count). The context's slots are read directly (type(ctx) is exactly TextContext).
-        if type(ctx) is TextContext and defer_lookup is False and self._lane and ctx._spec_decoding_state is None:
+        if type(ctx) is TextContext and defer_lookup is False and self._lane and (
+                ctx._spec_decoding_state is None or self._drafts_fit(ctx._spec_decoding_state)):
             req = self._requests.get(ctx.request_id)
             if req is not None and req.ctx is ctx and req.settled:  # no load, no external stage due
                 row = req.rows[self._anchor_id]
                 page = self._page
                 processed, active = ctx._processed, ctx._active
+                # spec/manager.md §15: with drafts the rows cover seq_len; a row past its need rolls
+                # back (the policy's trim)
+                short = (processed + active if not self._drafts else self._seq_len(ctx)) - len(row) * page
                 if row and ctx._length <= self._max_seq_len and processed >= req.committed * page and (
-                        not self._state_ids or self._states_live(req)):
+                        not self._state_ids or self._states_live(req)) and (short > -page or not self._drafts):
                     if self._loads or self._offloads and self._completions_moved():
                         self._drain()  # spec/manager.md §9.2: finished transfers land before the sizing
                     # Not at the reuse point (the row holds pages): only growth, no splice; every
                     # paged row has the anchor's length (spec/manager.md §4.6).
-                    short = processed + active - len(row) * page
                     if (short > 0 or self._state_ids and self._states_short(req)) and not self._grow_rows(
                             req, row, -(-short // page) if short > 0 else 0):
                         return super().alloc(ctx)  # short of pages: the policy waits for offloads or raises
                     self._metrics.input_tokens += req.count_forward(active)  # spec/manager.md §4.9
                     return _DONE
         return self._alloc_fast(ctx, defer_lookup)
+
+    def _drafts_fit(self, state) -> bool:
+        """Both draft lists of ``state`` are lists within ``num_draft_tokens`` (spec/manager.md §15.4);
+        anything else (a tuple, an array, a list too long, drafts without ``num_draft_tokens``) goes
+        to the policy, which accepts or refuses it."""
+        verify, maybe, k = state.draft_tokens_to_verify, state.maybe_accepted_draft_tokens, self._drafts
+        return type(verify) is list and type(maybe) is list and len(verify) <= k and len(maybe) <= k
 
     def _completions_moved(self) -> bool:
         """Whether the drain could unpin an offload (spec/manager.md §9.2): the connector's
@@ -284,7 +297,13 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                 return super().alloc(ctx, defer_lookup=defer_lookup)
         else:
             have = len(row)
-        need = max(-(-ctx.current_position // page) - have, 0)
+        # spec/manager.md §15: with drafts the row covers seq_len, and a row past it rolls back (the
+        # policy's trim)
+        need = (-(-ctx.current_position // page) if not self._drafts else self._required_blocks(ctx)) - have
+        if need < 0:
+            if self._drafts:
+                return super().alloc(ctx, defer_lookup=defer_lookup)
+            need = 0
         # The splice revives at most k free hits: count them exactly only when that decides.
         free = pool.num_free - k if splice else pool.num_free
         if need > free and splice:
@@ -471,8 +490,10 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         spec/manager.md §8 passes, else None (nothing changed).
 
         ``batches[r]`` is replica r's batch (a replica is an index); the lookup tables share the
-        column count of the widest row of all batches (or of ``max_cache_length``), as in the policy."""
-        leaf, page, requests = self._anchor_id, self._page, self._requests
+        column count of the widest row of all batches (or of ``max_cache_length``), as in the policy.
+        With drafts (spec/manager.md §15.7) the rows cover ``seq_len`` and the lengths count the
+        drafts; with FP8 (spec/manager.md §16.3) each leaf's inputs carry its scale fields."""
+        leaf, page, requests, k = self._anchor_id, self._page, self._requests, self._drafts
         seen = 0
         per = []
         for r, batch in enumerate(batches):
@@ -483,8 +504,9 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             if n > self._max_batch_size or self._closed:
                 return None
             for c in batch:
-                if type(c) is not TextContext or c._spec_decoding_state is not None:
-                    return None  # the policy checks (and refuses) drafts, spec/manager.md §15
+                if type(c) is not TextContext or (
+                        c._spec_decoding_state is not None and not self._drafts_fit(c._spec_decoding_state)):
+                    return None  # the policy checks drafts (spec/manager.md §15.4), accepts or refuses them
             # (3): every row claimed on replica r, once, holding the blocks it needs (every paged
             # row has the anchor's length; a state row its live page)
             reqs = list(map(requests.get, [c.request_id for c in batch]))
@@ -492,41 +514,51 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                 return None
             seen += n
             rows = [q.rows[leaf] for q in reqs]
-            ends = [c._processed + c._active for c in batch]  # current_position
-            widths = [-(-e // page) for e in ends]  # num_req_blocks
+            if not k:
+                ends = [c._processed + c._active for c in batch]  # current_position
+                widths = [-(-e // page) for e in ends]  # num_req_blocks
+                lengths = [c._processed for c in batch]
+                longest = max([c._active for c in batch], default=0)
+                reach = max(ends, default=0)
+            else:  # spec/manager.md §15.3, §15.7: (len(draft_tokens_to_verify), len(maybe_accepted)) per row
+                counts = list(map(self._draft_counts, batch))
+                widths = list(map(self._required_blocks, batch))  # ceil(seq_len / page_size)
+                lengths = [c._processed + m for c, (_, m) in zip(batch, counts)]
+                longest = max([c._active + v for c, (v, _) in zip(batch, counts)], default=0)
+                reach = max([c._processed + c._active + v + m + k for c, (v, m) in zip(batch, counts)], default=0)
             if list(map(len, rows)) != widths and not all(map(int.__ge__, map(len, rows), widths)):
                 return None
             for lid in self._state_ids:
                 if not all([q.rows[lid] for q in reqs]):
                     return None
-            per.append((batch, reqs, rows, ends, widths))
+            per.append((batch, reqs, rows, widths, lengths, longest, reach))
         if len({c.request_id for b in batches for c in b}) != seen:
             return None  # a request twice: the policy names it
         if not seen and self._state_ids:
             return None  # (2): a recurrent leaf binds rows, every batch is empty: the policy raises
-        need = max([max(p[4], default=0) for p in per])
-        if max_cache_length is not None:  # (4): the capture width (no drafts here, so no slack)
-            if not 1 <= max_cache_length <= self._max_seq_len or -(-max_cache_length // page) < need:
+        need = max([max(p[3], default=0) for p in per])
+        if max_cache_length is not None:  # (4): the capture width, up to the draft slack (spec/manager.md §15.8)
+            if not 1 <= max_cache_length <= self._max_seq_len + self._slack or -(-max_cache_length // page) < need:
                 return None  # the policy raises
             need = -(-max_cache_length // page)
         cols = _LUT_ALIGN * (-(-need // _LUT_ALIGN) or 1)
         if self._uses_connector:
             self._post_offloads()  # spec/manager.md §9.2: queued offloads are posted before the forward
         eng = self._engine
-        if self._single:
+        if self._single and not self._scales_stride:
             return KVCacheInputs(tuple(KVCacheInputsPerDevice(
                 kv_blocks=self._buffers[r][leaf],  # None in bookkeeping-only mode (spec/manager.md §8)
                 lookup_table=eng.to_device(eng.lookup_table(rows, widths, cols)),
-                cache_lengths=eng.to_device(np.array([c._processed for c in batch], dtype=np.uint32)),
-                max_prompt_length=max([c._active for c in batch], default=0),
-                max_cache_length=max(ends, default=0) if max_cache_length is None else max_cache_length,
-            ) for r, (batch, _, rows, ends, widths) in enumerate(per)))
+                cache_lengths=eng.to_device(np.array(lengths, dtype=np.uint32)),
+                max_prompt_length=longest,
+                max_cache_length=reach if max_cache_length is None else max_cache_length,
+            ) for r, (batch, _, rows, widths, lengths, longest, reach) in enumerate(per)))
         out = []
         states, strides = set(self._state_ids), self._page_strides
-        for r, (batch, reqs, rows, ends, widths) in enumerate(per):
-            lengths = eng.to_device(np.array([c._processed for c in batch], dtype=np.uint32))
-            longest = max([c._active for c in batch], default=0)
-            reach = max(ends, default=0) if max_cache_length is None else max_cache_length
+        for r, (batch, reqs, rows, widths, lengths, longest, reach) in enumerate(per):
+            lengths = eng.to_device(np.array(lengths, dtype=np.uint32))
+            if max_cache_length is not None:
+                reach = max_cache_length
             ones = None
             by_leaf = {}
             for lid in self._leaf:
@@ -535,16 +567,22 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                     lut = eng.lookup_table([q.rows[lid] for q in reqs], ones, _LUT_ALIGN)
                 else:
                     lut = eng.lookup_table(rows if lid == leaf else [q.rows[lid] for q in reqs], widths, cols)
+                lut = eng.to_device(lut)
+                scales = self._scales[r].get(lid)  # spec/manager.md §16.3: all three scale fields, or none
                 by_leaf[lid] = KVCacheInputsPerDevice(
                     kv_blocks=self._buffers[r][lid],
-                    lookup_table=eng.to_device(lut),
+                    lookup_table=lut,
                     cache_lengths=lengths,
                     max_prompt_length=longest,
                     max_cache_length=reach,
+                    kv_scales=scales,
+                    scales_page_stride=(None if scales is None else
+                                        eng.to_device(np.array([self._scales_stride], np.int64))),
+                    scales_lookup_table=None if scales is None else lut,
                     page_stride=None if lid not in strides else eng.to_device(strides[lid]),
                 )
             out.append(by_leaf)
-        if len(self._leaves) == 1:  # one sliding or recurrent leaf: its inputs, as the policy returns
+        if len(self._leaves) == 1:  # one leaf: its inputs, as the policy returns
             (lid,) = self._leaf
             return KVCacheInputs(tuple(p[lid] for p in out))
         return KVCacheInputs(tuple(out))
