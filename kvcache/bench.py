@@ -273,8 +273,8 @@ def _replay_case(num_requests: int, repeat: int) -> dict:
 
 #: The configurations of issue 12's table, then MAX's speculative decoding (spec/manager.md §15:
 #: the loop sets ``k`` drafts after every sampled token, all rejected, so the tokens, hits and
-#: peak stay those of the other rows) and FP8 K/V (spec/manager.md §16): ``name -> KVCacheParams
-#: keyword arguments``.
+#: peak stay those of the other rows), FP8 K/V (spec/manager.md §16) and a manager without prefix
+#: caching (no hits): ``name -> KVCacheParams keyword arguments``.
 MANAGER_CONFIGS = {
     "one full leaf": {},
     "data_parallel_degree=2": {"data_parallel_degree": 2},
@@ -283,6 +283,7 @@ MANAGER_CONFIGS = {
     "full + recurrent": {"leaves": "rec"},
     "speculative (eagle, k=2)": {"speculative_method": "eagle", "num_draft_tokens": 2},
     "FP8 (float8_e4m3fn)": {"dtype": "float8_e4m3fn"},
+    "no prefix caching": {"enable_prefix_caching": False},
 }
 
 

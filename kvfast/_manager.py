@@ -360,10 +360,12 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         req = self._requests.get(ctx.request_id)
         if req is not None and req.ctx is ctx and req.settled:
             # A decode step inside a page (spec/manager.md §5.1: nothing filled since the last
-            # commit, the rows cover it): only the forward is counted.
+            # commit, the rows cover it), or any step without prefix caching (nothing is ever
+            # committed): only the forward is counted.
             processed = ctx._processed
             page = self._page
-            if processed < (req.committed + 1) * page and processed <= len(req.rows[self._anchor_id]) * page:
+            if (processed < (req.committed + 1) * page or not self._caching) and \
+                    processed <= len(req.rows[self._anchor_id]) * page:
                 req.step_gen += 1
                 return
         if req is None or req.ctx is not ctx or req.dummy:

@@ -90,6 +90,14 @@ CONFIGS = {
     # sides see the same tier at every call): the admission lane's external stage, loads, offloads
     "tiered": dict(leaves=None, data_parallel_degree=1, enable_prefix_caching=True, allocate_buffers=False,
                    host_offload_bytes=6 * 2 * PAGE * 4),
+    # MAX's speculative decoding (spec/manager.md §15: seq_len sizing, draft lengths, rollback) and FP8
+    # scales (spec/manager.md §16): the lanes serve both (the ``drafts`` rule sets the lists)
+    "spec": dict(leaves=None, data_parallel_degree=1, enable_prefix_caching=True, speculative_method="eagle",
+                 num_draft_tokens=2),
+    "spec_sliding": dict(leaves={"full": LeafSpec.full(), "swa": LeafSpec.sliding_window(3)},
+                         data_parallel_degree=1, enable_prefix_caching=True, speculative_method="dflash",
+                         num_draft_tokens=2),
+    "fp8": dict(leaves=None, data_parallel_degree=2, enable_prefix_caching=True, dtype="float8_e4m3fn"),
 }
 
 
@@ -124,15 +132,19 @@ class ManagerDiff(RuleBasedStateMachine):
     """A scheduler driving a kvref and a kvfast manager with the same calls."""
 
     @initialize(cfg=st.sampled_from(["fast", "fast", "fast", "fast_nocache", "xxh3", "hybrid", "replicas",
-                                     "sliding", "recurrent", "sliding_only", "tiered", "tiered"]),
+                                     "sliding", "recurrent", "sliding_only", "tiered", "tiered", "spec", "spec",
+                                     "spec_sliding", "fp8"]),
                 num_blocks=st.integers(8, 14))
     def setup(self, cfg, num_blocks):
         if CONFIGS[cfg]["leaves"] is not None:  # spec/manager.md §1.6: the pool holds one MAX_SEQ request of every leaf
             num_blocks = max(num_blocks, 11)
-        self.num_blocks = num_blocks
         kw = dict(CONFIGS[cfg])
+        if kw.get("num_draft_tokens"):  # and the draft slack (spec/manager.md §15.8)
+            num_blocks = max(num_blocks, 13 if kw["leaves"] is None else 22)
+        self.num_blocks = num_blocks
+        kw.setdefault("dtype", "float32")
         self.cfg = cfg
-        self.params = KVCacheParams(page_size=PAGE, num_layers=1, kv_heads=1, head_dim=1, dtype="float32", **kw)
+        self.params = KVCacheParams(page_size=PAGE, num_layers=1, kv_heads=1, head_dim=1, **kw)
         self.sides = []
         for mod in (kvref, kvfast):
             self.sides.append(mod.PagedKVCacheManager(
@@ -246,6 +258,20 @@ class ManagerDiff(RuleBasedStateMachine):
         for ctx in pair:
             ctx.skip_processing(ctx.active_length - 1)
         self.both(f"skip + step({rid})", lambda m, i: m.step(pair[i]))
+
+    @precondition(lambda self: self.ctxs)
+    @rule(data=st.data(), verify=st.lists(st.integers(1, 3), max_size=3),
+          maybe=st.lists(st.integers(1, 3), max_size=3), as_tuple=st.booleans())
+    def drafts(self, data, verify, maybe, as_tuple):
+        """The next forward's drafts and those in flight (spec/manager.md §15.2); up to one more than
+        ``num_draft_tokens`` and sometimes tuples, so the refusals and the policy's paths run too."""
+        rid, pair = self.pair(data)
+        if not self.params.num_draft_tokens:
+            verify, maybe = verify[:1] if as_tuple else [], []  # a draft without speculative decoding: refused
+        for ctx in pair:
+            ctx.spec_decoding_state.draft_tokens_to_verify = tuple(verify) if as_tuple else list(verify)
+            ctx.spec_decoding_state.maybe_accepted_draft_tokens = list(maybe)
+        note(f"drafts({rid}): verify={verify} maybe={maybe} tuple={as_tuple}")
 
     @precondition(lambda self: self.ctxs)
     @rule(data=st.data(), n=st.integers(1, 4))
