@@ -12,6 +12,9 @@ the forward wrote for those tokens (and the recurrent live page the state after
 ``processed_length`` tokens), and after every rule that every published page of every leaf
 holds its block's bytes. Requests carry random retention priorities and time-to-lives and a
 rule moves the clock (retention may change what is evicted, never which bytes are served).
+Forwards may run overlapped (spec/manager.md §15.2): the drafts of a forward in flight are
+``maybe_accepted_draft_tokens`` while the next forward is allocated and its inputs checked
+(``cache_lengths`` counts them, the rows are sized with them), then they resolve.
 
 Variants (class attributes): kvref and kvfast; FP8 pages (each checked page's scales too);
 a padded slab (spec/manager.md §13.1); one full leaf without drafts, with and without a
@@ -133,27 +136,39 @@ def _bufs(m, r: int = 0):
     return b if isinstance(b, dict) else {"full": b}
 
 
-def check_inputs(m, ctx: TextContext, inputs, r: int = 0) -> int:
+def check_inputs(m, ctx: TextContext, inputs, r: int = 0, in_flight: list[int] = ()) -> int:
     """Every page the lookup table binds up to ``cache_lengths`` holds the model's bytes for
     ``ctx.tokens``; the recurrent live page the state after ``processed_length`` tokens.
-    Returns the number of positions checked."""
+    Returns the number of positions checked.
+
+    ``in_flight``: the drafts a forward in flight verifies (overlap scheduling: they are
+    ``ctx.spec_decoding_state.maybe_accepted_draft_tokens``). ``cache_lengths`` must then be
+    ``processed_length + len(in_flight)`` (spec/manager.md §15.7), and the positions from
+    ``processed_length`` up to it hold what that forward wrote, computed over
+    ``ctx.tokens + in_flight`` (``SpecHybridMachine._forward``, overlapped); below ``processed_length``, the verified bytes."""
     bufs, page, checked, scales = _bufs(m, r), m.params.page_size, 0, _scales(m, r)
     per = inputs.inputs[r]
     per = per if isinstance(per, dict) else {"full": per}
+    seq = list(map(int, ctx.tokens)) + list(in_flight)
     for li, (lid, spec) in enumerate(m.params.leaves().items()):
         buf, inp = bufs[lid], per[lid]
         lut = _host(inp.lookup_table)[0]
         n = int(_host(inp.cache_lengths)[0])
-        assert n == ctx.processed_length, (lid, n, ctx.processed_length)
+        assert n == ctx.processed_length + len(in_flight), (
+            f"{ctx.request_id}: leaf {lid!r} cache_lengths {n}, want processed_length {ctx.processed_length} "
+            f"+ {len(in_flight)} drafts in flight (spec/manager.md §15.7)")
         if spec.kind is LeafKind.RECURRENT:
-            want = state_of(ctx.tokens, n, buf.shape[1:], buf.dtype)
+            # the live page holds the verified state: the in-flight forward's per-draft states are
+            # the model's until the drafts resolve (spec/manager.md §15.10)
+            want = state_of(ctx.tokens, ctx.processed_length, buf.shape[1:], buf.dtype)
             assert np.array_equal(_host(buf[lut[0]]), want), (
-                f"{ctx.request_id}: leaf {lid!r} live page {lut[0]} is not the state after {n} tokens")
+                f"{ctx.request_id}: leaf {lid!r} live page {lut[0]} is not the state after "
+                f"{ctx.processed_length} tokens")
             checked += 1
             continue
         if n == 0:
             continue
-        want = kv_at(ctx.tokens, 0, n, li, buf.shape[1:], buf.dtype)
+        want = kv_at(seq, 0, n, li, buf.shape[1:], buf.dtype)
         # a sliding leaf's forward reads keys from n - window + 1 on; the slots below hold null or
         # (after a tier load, until the next step frees them: spec/manager.md §9.8) unread pages
         lo = max(0, n - spec.window + 1) if spec.kind is LeafKind.SLIDING_WINDOW else 0
@@ -165,7 +180,7 @@ def check_inputs(m, ctx: TextContext, inputs, r: int = 0) -> int:
                 f"{ctx.request_id}: leaf {lid!r} position {p} (page {b}) holds {got.ravel()}, "
                 f"want {want[p].ravel()}")
             if scales is not None and p % page == 0:
-                ws = scale_at(ctx.tokens, p // page, li, scales[lid].shape[1:])
+                ws = scale_at(seq, p // page, li, scales[lid].shape[1:])
                 assert np.array_equal(_host(scales[lid][b]), ws), (
                     f"{ctx.request_id}: leaf {lid!r} block {p // page} (page {b}) scales {_host(scales[lid][b]).ravel()}, "
                     f"want {ws.ravel()}")
@@ -262,6 +277,7 @@ PROMPT_ST = st.builds(
 )
 RIGHT_ST = st.lists(st.booleans(), min_size=K, max_size=K)
 RETAIN_ST = st.tuples(st.sampled_from((0, 35, 90)), st.sampled_from((None, 1.0, 5.0)))
+LAP_ST = st.integers(0, 7)  # bit i: the i-th live request's forward runs overlapped (``_forward``)
 
 
 class SpecHybridMachine(RuleBasedStateMachine):
@@ -272,6 +288,18 @@ class SpecHybridMachine(RuleBasedStateMachine):
     the verifying forward writes active tokens and ``K`` drafts; accepted drafts and the bonus
     token appended; state rolled back; next drafts set; ``step``; ``alloc``), preempt, flush the
     device cache, land transfers, reset the prefix cache.
+
+    Overlap scheduling (spec/manager.md §15.2, §15.7; chosen per request and iteration by ``lap``):
+    the verifying forward is launched (it writes its K/V) and, before its verdict, the scheduler
+    prepares the next forward: the drafts go to ``maybe_accepted_draft_tokens``, ``alloc`` sizes
+    the rows with them and ``runtime_inputs`` counts them as cached. That forward's inputs are
+    checked (it would run after the one in flight on the stream, so it reads what that one wrote;
+    nothing that no forward wrote is demanded, nothing verified may be stale); then the verdict
+    comes: the accepted drafts and the bonus token appended, the rest rejected, the list cleared.
+    Our contexts carry no placeholders (§15: MAX's ``pending_future_count`` is 0), so the in-flight
+    forward's active tokens stay unprocessed: the positions ``processed_length ..
+    processed_length + len(maybe_accepted_draft_tokens)`` hold what it wrote over
+    ``ctx.tokens + drafts`` (its active tokens, then its drafts).
     """
 
     pkg = kvref
@@ -321,32 +349,32 @@ class SpecHybridMachine(RuleBasedStateMachine):
             finally:
                 shutil.rmtree(self.dir, ignore_errors=True)
 
-    @initialize(prompts=st.lists(PROMPT_ST, min_size=1, max_size=2), right=RIGHT_ST)
-    def warm(self, prompts, right):
+    @initialize(prompts=st.lists(PROMPT_ST, min_size=1, max_size=2), right=RIGHT_ST, lap=LAP_ST)
+    def warm(self, prompts, right, lap):
         for prompt in prompts:
             self._admit(prompt, False, (35, None))
         for _ in range(3):
-            self.iterate(right)
+            self.iterate(right, lap)
         for rid in sorted(self.live):
             self._release(rid)
         settle_manager(self.m, land=self.land_all)
         self.flush_device()
 
     @precondition(lambda self: len(self.live) < 3)
-    @rule(prompt=PROMPT_ST, defer=st.booleans(), right=RIGHT_ST, keep=RETAIN_ST)
-    def admit(self, prompt, defer, right, keep):
+    @rule(prompt=PROMPT_ST, defer=st.booleans(), right=RIGHT_ST, keep=RETAIN_ST, lap=LAP_ST)
+    def admit(self, prompt, defer, right, keep, lap):
         self._admit(prompt, defer, keep)
-        self.iterate(right)
+        self.iterate(right, lap)
 
     @precondition(lambda self: len(self.live) < 3 and bool(self.served))
     @rule(data=st.data(), fault=st.sampled_from((None,) + LOAD_FAULTS), defer=st.booleans(), right=RIGHT_ST,
-          keep=RETAIN_ST)
-    def readmit(self, data, fault, defer, right, keep):
+          keep=RETAIN_ST, lap=LAP_ST)
+    def readmit(self, data, fault, defer, right, keep, lap):
         if fault is not None and self.fc is not None:
             note(f"arm: {fault}")
             self.fc.arm(fault)
         self._admit(data.draw(st.sampled_from(self.served)), defer, keep)
-        self.iterate(right)
+        self.iterate(right, lap)
 
     def _admit(self, prompt, defer: bool, keep: tuple):
         rid = f"r{self.n}"
@@ -365,16 +393,31 @@ class SpecHybridMachine(RuleBasedStateMachine):
             self.m.release(ctx)
             return
         note(f"  -> prefix {ctx.cached_prefix_length} (external {ctx.cached_prefix_external_length})")
+        self._sized(ctx)
         self.live[rid] = (ctx, t)
 
-    @rule(right=RIGHT_ST)
-    def iterate(self, right):
-        for rid in sorted(self.live):
+    def _sized(self, ctx):
+        """spec/manager.md §15.3: after ``alloc`` every full/sliding row holds ``ceil(seq_len /
+        page_size)`` blocks, ``seq_len`` counting the drafts in flight (rows shrink after a rejection)."""
+        if not self.drafts:
+            return
+        # eagle: no block-draft slot (D = 0)
+        seq_len = ctx.current_position + len(ctx.spec_decoding_state.maybe_accepted_draft_tokens) + 2 * K
+        rows = self.m.get_req_blocks_per_leaf(ctx)
+        for lid, spec in self.m.params.leaves().items():
+            if spec.kind is not LeafKind.RECURRENT:
+                assert len(rows[lid]) == -(-seq_len // PS), (
+                    f"{ctx.request_id}: leaf {lid!r} row of {len(rows[lid])} blocks, seq_len {seq_len} needs "
+                    f"{-(-seq_len // PS)}")
+
+    @rule(right=RIGHT_ST, lap=LAP_ST)
+    def iterate(self, right, lap=0):
+        for i, rid in enumerate(sorted(self.live)):
             if rid in self.live:
-                self._forward(rid, right)
+                self._forward(rid, right, bool(lap >> i & 1))
         self.m.poll_transfers()
 
-    def _forward(self, rid, right):
+    def _forward(self, rid, right, lap=False):
         ctx, t = self.live[rid]
         try:
             done = t.is_complete()
@@ -386,11 +429,30 @@ class SpecHybridMachine(RuleBasedStateMachine):
             note(f"{rid}: cordoned (load in flight)")
             return
         drafts = list(ctx.spec_decoding_state.draft_tokens_to_verify) if self.drafts else []
-        inputs = self.m.runtime_inputs([[ctx]])
-        self.checked += check_inputs(self.m, ctx, inputs)
-        note(f"{rid}: forward over [{ctx.processed_length}, {ctx.current_position}) + drafts {drafts}")
-        write_forward(self.m, ctx, drafts)
-        verify(ctx, drafts)
+        if lap and drafts:
+            note(f"{rid}: forward over [{ctx.processed_length}, {ctx.current_position}) + drafts {drafts} "
+                 "launched; maybe_accepted_draft_tokens = drafts; alloc; runtime_inputs (overlap)")
+            write_forward(self.m, ctx, drafts)  # through the rows of the last alloc (sized for it)
+            state = ctx.spec_decoding_state
+            state.maybe_accepted_draft_tokens, state.draft_tokens_to_verify = list(drafts), []
+            try:
+                self.live[rid] = (ctx, self.m.alloc(ctx))
+            except InsufficientBlocksError:
+                note(f"{rid}: InsufficientBlocksError; preempt")
+                self._release(rid)
+                return
+            self._sized(ctx)
+            inputs = self.m.runtime_inputs([[ctx]])
+            self.checked += check_inputs(self.m, ctx, inputs, in_flight=drafts)
+            verify(ctx, drafts)  # the verdict: accepted drafts and the bonus appended, the rest rejected
+            state.maybe_accepted_draft_tokens = []
+            note(f"  -> verdict: tokens {list(map(int, ctx.tokens))}")
+        else:
+            inputs = self.m.runtime_inputs([[ctx]])
+            self.checked += check_inputs(self.m, ctx, inputs)
+            note(f"{rid}: forward over [{ctx.processed_length}, {ctx.current_position}) + drafts {drafts}")
+            write_forward(self.m, ctx, drafts)
+            verify(ctx, drafts)
         write_state(self.m, ctx)
         if self.drafts:
             room = MAX_LEN - len(ctx)
@@ -409,6 +471,7 @@ class SpecHybridMachine(RuleBasedStateMachine):
         ctx, _ = self.live[rid]
         try:
             self.live[rid] = (ctx, self.m.alloc(ctx))
+            self._sized(ctx)
         except InsufficientBlocksError:
             note(f"{rid}: InsufficientBlocksError; preempt")
             self._release(rid)
