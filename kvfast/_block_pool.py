@@ -40,7 +40,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from itertools import repeat
+from itertools import compress, repeat
 from typing import Callable, Iterable
 
 import numpy as np
@@ -278,6 +278,13 @@ class BlockPool:
     def contains_hash(self, block_hash: bytes) -> bool:
         """True when a published block holds ``block_hash`` (its tokens not checked)."""
         return block_hash in self.hash_to_block
+
+    def last_indexed(self, hashes: list[bytes], stop: int) -> int:
+        """The largest ``i < stop`` with ``hashes[i]`` in the index (tokens not checked), else -1:
+        the probes run at C level, back from ``stop`` (about 30 ns each)."""
+        hit = next(compress(range(stop - 1, -1, -1), map(self.hash_to_block.__contains__,
+                                                          reversed(hashes[:stop]))), None)
+        return -1 if hit is None else hit
 
     # ------------------------------------------------------------------ mutations
 

@@ -181,6 +181,13 @@ class BlockPool:
         """True when a published block holds ``block_hash`` (its tokens not checked)."""
         return block_hash in self.hash_to_block
 
+    def last_indexed(self, hashes, stop: int) -> int:
+        """The largest ``i < stop`` with ``hashes[i]`` in the index (tokens not checked), else -1."""
+        for i in range(stop - 1, -1, -1):
+            if hashes[i] in self.hash_to_block:
+                return i
+        return -1
+
     # ------------------------------------------------------------------ mutations
 
     def allocate(self, n: int) -> list[int]:

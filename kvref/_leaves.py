@@ -99,6 +99,22 @@ class Residency:
                 pages[i] = None
         return i - lo
 
+    def deepest(self, k: int) -> int:
+        """The largest ``j <= k`` whose block ``j - 1`` is resident, else 0: the pool names the
+        deepest indexed hash below ``j`` (one batched probe, :meth:`BlockPool.last_indexed`),
+        whose tokens are then verified; a hash held by other tokens (a collision) moves the
+        search below it. A scan over a long chain without a checkpoint costs one probe per
+        block, not a ``lookup`` each."""
+        j = k
+        while j > 0:
+            i = self.pool.last_indexed(self.hashes, j)
+            if i < 0:
+                return 0
+            if self(i):
+                return i + 1
+            j = i
+        return 0
+
     def pages(self, lo: int, k: int) -> list[int]:
         """The pages of blocks ``lo .. k-1`` (all resident)."""
         if k <= len(self._run):
@@ -136,6 +152,13 @@ class ExtendedResidency:
         while i < k and self(i):
             i += 1
         return i - lo
+
+    def deepest(self, k: int) -> int:
+        """The largest ``j <= k`` whose block ``j - 1`` is held, else 0."""
+        for j in range(k, 0, -1):
+            if self(j - 1):
+                return j
+        return 0
 
     def run(self, k: int) -> int:
         """The held run from the root, at most ``k`` blocks."""
@@ -562,10 +585,7 @@ class RecurrentLeaf(Leaf):
 
     def best(self, k: int, resident: Residency) -> int:
         # spec/manager.md §3.2 recurrent: the deepest boundary holding a state checkpoint.
-        for j in range(k, 0, -1):
-            if resident(j - 1):
-                return j
-        return 0
+        return resident.deepest(k)
 
     def hit_pages(self, k: int, resident: Residency) -> list[int]:
         return [resident.page(k - 1)] if k else []

@@ -778,6 +778,9 @@ class SlabLeafPool:
     def lookup_run(self, hashes, tokens):
         return self.inner.lookup_run(hashes, tokens)
 
+    def last_indexed(self, hashes, stop: int) -> int:
+        return self.inner.last_indexed(hashes, stop)
+
     def publish(self, block: int, block_hash: bytes, tokens) -> int:
         return self.inner.publish(block, block_hash, tokens)
 

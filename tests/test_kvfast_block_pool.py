@@ -88,6 +88,8 @@ class PoolComparison(RuleBasedStateMachine):
     def lookup(self, h, t):
         self.both("lookup", h, TOKENS[t])
         self.both("contains_hash", h)
+        for stop in (0, 1, len(HASHES) // 2, len(HASHES)):
+            self.both("last_indexed", list(HASHES), stop)
 
     @rule()
     def reset_prefix_cache(self):

@@ -37,6 +37,9 @@ class Held:
     def span(self, lo: int, k: int) -> int:
         return next((i for i in range(lo, k) if i not in self.held), k) - lo
 
+    def deepest(self, k: int) -> int:
+        return next((j for j in range(k, 0, -1) if j - 1 in self.held), 0)
+
     def page(self, i: int):
         return self.base + i if i in self.held else None
 
@@ -313,3 +316,31 @@ def test_residency_span_memoises_one_batched_lookup():
     assert res(8) is False and res(2) is True and res.page(5) == pages[5]
     assert res.span(5, 7) == 2 and res.span(3, 5) == 0
     assert calls == [5, 4]  # [4, 9) once; [0, 4) once; everything after from the memo
+
+
+@settings(deadline=None, max_examples=60)
+@given(pkg=st.sampled_from(["kvref", "kvfast"]), k=st.integers(0, 24), published=st.sets(st.integers(0, 23)),
+       collided=st.sets(st.integers(0, 23)))
+def test_recurrent_best_is_the_deepest_checkpoint_verified(pkg, k, published, collided):
+    """spec/manager.md §3.2 recurrent, by its definition (the largest j <= k whose block j - 1 is
+    resident, tokens verified), over a real pool of either engine: a block in ``collided`` is
+    published under its hash with other tokens (a collision), so it is indexed but not resident.
+    The search asks ``lookup`` only for indexed candidates (``last_indexed`` probes the rest)."""
+    import importlib
+
+    pool = importlib.import_module(pkg).BlockPool(30)
+    toks = np.arange(24 * 4, dtype=np.int32)
+    hashes = [bytes([i]) * 32 for i in range(24)]
+    pages = [int(b) for b in pool.allocate(24)]
+    for i in sorted(published | collided):
+        stored = toks[4 * i : 4 * i + 4] + (1000 if i in collided else 0)
+        pool.publish(pages[i], hashes[i], stored)
+    resident = {i for i in published if i not in collided}
+    want = next((j for j in range(k, 0, -1) if j - 1 in resident), 0)
+    leaf = Leaf.make("rec", LeafSpec.recurrent((2,)), 4)
+    asked = []
+    real = pool.lookup
+    pool.lookup = lambda h, t: asked.append(h) or real(h, t)
+    assert leaf.best(k, Residency(pool, hashes, toks, 4)) == want
+    indexed = {hashes[i] for i in published | collided}
+    assert set(asked) <= indexed and len(asked) <= len(collided) + 1

@@ -98,6 +98,11 @@ class BlockPool(Protocol):
         """The longest leading run of ``lookup`` hits over ``hashes``; ``tokens``: int32
         ``[len(hashes) * page]``, the run's tokens in order."""
 
+    def last_indexed(self, hashes: Sequence[bytes], stop: int) -> int:
+        """The largest ``i < stop`` whose ``hashes[i]`` the prefix index holds (its tokens not
+        checked: a candidate for ``lookup``), else -1. A recurrent leaf's deepest checkpoint
+        (spec/manager.md §3.2) is found by these probes, not by a ``lookup`` per block."""
+
     def publish(self, block: int, block_hash: bytes, tokens) -> int:
         """Enter ``block`` under ``block_hash`` with ``tokens``. Returns the page that holds the
         content: ``block`` (published now or already), an existing **twin** (same hash and
