@@ -7,8 +7,9 @@ blocks another process computed. It sits under the host and disk tiers of a
 
 * ``lookup(hashes)``: pipelined ``EXISTS``, the leading run of present blocks;
 * ``get_many(hashes, tokens)``: pipelined ``GET``, every value verified;
-* ``put_many(hashes, tokens, payloads)``: pipelined ``SET NX`` (optional TTL);
-* ``touch(hashes)``: pipelined ``PEXPIRE`` when a TTL is set.
+* ``put_many(hashes, tokens, payloads, retain_s=None)``: pipelined ``SET NX`` (optional TTL;
+  a block's known retention claim is its TTL from the write on);
+* ``touch(hashes)``: pipelined ``PEXPIRE ... GT`` when a TTL is set (never shortens a claim).
 * ``retain(hashes, seconds)``: pipelined ``PEXPIRE ... GT`` (a retention claim's time-to-live).
 
 A slow or dead store is never an exception into the caller and never a wait
@@ -684,7 +685,8 @@ class RemoteTier:
             self._metrics.bytes_read += sum(len(v) for v in values)
         return payloads
 
-    def put_many(self, hashes: Sequence[bytes], tokens: np.ndarray, payloads: Sequence) -> int:
+    def put_many(self, hashes: Sequence[bytes], tokens: np.ndarray, payloads: Sequence,
+                 retain_s: Sequence[float | None] | None = None) -> int:
         """Store blocks that the store does not hold yet (``SET NX``, with the TTL if set).
 
         Parameters
@@ -695,6 +697,12 @@ class RemoteTier:
             Token ids of each block (stored in the header, checked on load).
         payloads : sequence [n] of bytes-like or ndarray
             ``page_bytes`` bytes each (arrays are taken in C order).
+        retain_s : sequence [n] of float or None, optional
+            Each block's retention claim known at the write (seconds left, ``None``: none;
+            spec/tiers.md §3.1). With a TTL, a claimed block is written with the longer of
+            the TTL and its claim, and a block already stored gets ``PEXPIRE key ms GT``
+            in the same round trip, so its bytes never sit in the store under a shorter
+            TTL than their claim. Without a TTL claims change nothing (keys never expire).
 
         Returns
         -------
@@ -719,6 +727,7 @@ class RemoteTier:
             raise TypeError(f"{o}: payloads type={type(payloads).__name__}, must be a sequence")
         if len(payloads) != len(hashes):
             raise ValueError(f"{o}: len(payloads)={len(payloads)} but len(hashes)={len(hashes)}")
+        claim_ms = self._claims_ms(o, retain_s, len(hashes))
         data = []
         for i, p in enumerate(payloads):
             if self._plan:
@@ -736,10 +745,23 @@ class RemoteTier:
 
         def run(client):
             pipe = client.pipeline(transaction=False)
-            for k, v in zip(keys, values):
+            at, n = [], 0  # the SET replies' places among the pipeline's n replies
+            for k, v, ms in zip(keys, values, claim_ms):
                 # spec/remote-tier.md §3: SET NX — the first writer wins, a value is never overwritten.
-                pipe.set(k, v, nx=True, px=ttl_ms)
-            return pipe.execute()
+                # spec/tiers.md §3.1: a claim known now is the key's TTL from the write on.
+                at.append(n)
+                n += 1 if ms is None else 2
+                pipe.set(k, v, nx=True, px=ttl_ms if ms is None else max(ttl_ms, ms))
+                if ms is not None:
+                    pipe.execute_command("PEXPIRE", k, ms, "GT")  # a key already stored
+            # A server before Redis 7.0 refuses GT: that reply alone is ignored (a new key
+            # already carries its claim); a refused SET is the store's error, as before.
+            replies = pipe.execute(raise_on_error=False)
+            sets = [replies[i] for i in at]
+            for r in sets:
+                if isinstance(r, Exception):
+                    raise r
+            return sets
 
         stored = self._io(run)
         with self._lock:
@@ -754,9 +776,11 @@ class RemoteTier:
             return sum(written)
 
     def touch(self, hashes: Sequence[bytes]) -> None:
-        """Refresh the TTL of stored blocks (``PEXPIRE``); no I/O without a TTL.
+        """Refresh the TTL of stored blocks (``PEXPIRE key ttl GT``); no I/O without a TTL.
 
-        Missing blocks are ignored; a failing store is ignored (counted in ``errors``).
+        A longer expiry stays (a retention claim's, spec/tiers.md §3.1: a touch may run
+        after a claim landed, and never cuts it back to the TTL), a key without a TTL keeps
+        none. Missing blocks are ignored; a failing store is ignored (counted in ``errors``).
 
         Raises
         ------
@@ -775,6 +799,12 @@ class RemoteTier:
 
         def run(client):
             pipe = client.pipeline(transaction=False)
+            for k in keys:
+                pipe.execute_command("PEXPIRE", k, ttl_ms, "GT")
+            replies = pipe.execute(raise_on_error=False)
+            if not any(isinstance(r, Exception) for r in replies):
+                return replies
+            pipe = client.pipeline(transaction=False)  # a server before Redis 7.0 has no GT
             for k in keys:
                 pipe.pexpire(k, ttl_ms)
             return pipe.execute()
@@ -931,6 +961,19 @@ class RemoteTier:
         return None, False
 
     # ------------------------------------------------------------------ checks
+
+    def _claims_ms(self, o: str, retain_s, n: int) -> list[int | None]:
+        """``put_many``'s ``retain_s`` as milliseconds per block (``None``: no claim, or no TTL)."""
+        if retain_s is None:
+            return [None] * n
+        if isinstance(retain_s, (bytes, bytearray, str)) or not isinstance(retain_s, (Sequence, np.ndarray)):
+            raise TypeError(f"{o}: retain_s type={type(retain_s).__name__}, must be None or a sequence")
+        if len(retain_s) != n:
+            raise ValueError(f"{o}: len(retain_s)={len(retain_s)} but len(hashes)={n}")
+        secs = [_retention.check_seconds(o, s, f"retain_s[{i}]") for i, s in enumerate(retain_s)]
+        if self._ttl_ms is None:
+            return [None] * n  # keys without a TTL never expire: nothing to extend
+        return [None if s is None else max(1, math.ceil(min(s, MAX_TTL_S) * 1000)) for s in secs]
 
     def _check_open(self, o: str) -> None:
         if self._closed:

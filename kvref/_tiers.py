@@ -720,7 +720,7 @@ class TieredConnector:
             if self._disk is not None:
                 self._disk.set_retention(hs, priority, expiry, now)
             if self._remote is not None and seconds is not None and self._executor is not None and hs:
-                # A block whose offload is still queued gets its TTL when it is written (_retain_remote).
+                # A block whose offload is still queued is written with its claim's TTL (_run_offload).
                 rc = self._remote_claims
                 for h in hs:
                     rc[h] = max(expiry, rc.pop(h, expiry))
@@ -729,15 +729,26 @@ class TieredConnector:
                 # no network on the caller's thread (spec/remote-tier.md §7)
                 self._background.append(self._executor.submit(self._remote.retain, hs, seconds))
 
-    def _retain_remote(self, hs: list[bytes]) -> None:
-        """After a remote write (on a worker): the claims made before it landed (spec/tiers.md §3.1)."""
-        now = self._clock()
+    def _remote_claims_of(self, hs: list[bytes]) -> dict[bytes, float]:
+        """The live claims (expiry on the connector's clock) that ``set_retention`` made on ``hs``."""
         with self._lock:
-            left = {h: self._remote_claims.get(h, now) - now for h in hs}
+            rc = self._remote_claims
+            return {h: rc[h] for h in hs if h in rc}
+
+    def _put_remote(self, hs: list[bytes], toks, srcs: list) -> None:
+        """The remote write of an offload (on a worker), each block under its known claim's TTL
+        (spec/tiers.md §3.1: the bytes never sit in Redis under a shorter TTL than their claim)."""
+        now = self._clock()
+        sent = self._remote_claims_of(hs)
+        left = [sent[h] - now if h in sent and sent[h] > now else None for h in hs]
+        self._remote.put_many(hs, toks, srcs, retain_s=None if all(x is None for x in left) else left)
+        # A claim made while the write was in flight: its own retain may have run before the key
+        # existed, so extend it here (PEXPIRE ... GT; a claim already sent above is not resent).
+        now = self._clock()
         by_seconds: dict[float, list[bytes]] = {}
-        for h, sec in left.items():
-            if sec > 0:
-                by_seconds.setdefault(sec, []).append(h)
+        for h, expiry in self._remote_claims_of(hs).items():
+            if expiry != sent.get(h) and expiry > now:
+                by_seconds.setdefault(expiry - now, []).append(h)
         for sec, group in by_seconds.items():
             self._remote.retain(group, sec)
 
@@ -1058,8 +1069,7 @@ class TieredConnector:
         if self._remote is not None:
             # spec/remote-tier.md §7: SET NX of the pinned source pages, one round trip; a failing
             # store drops them (counted by the remote tier), never raises.
-            self._remote.put_many(hs, toks, list(srcs))
-            self._retain_remote(hs)
+            self._put_remote(hs, toks, list(srcs))
         with self._lock:
             host.touch(reversed(hs))
             if disk is not None:
