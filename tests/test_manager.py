@@ -575,7 +575,7 @@ def test_joint_hit_is_a_fixed_point_not_a_minimum():
     full = Leaf.make("full", LeafSpec.full(), 4)
     swa = Leaf.make("swa", LeafSpec.sliding_window(9), 4)  # 2 blocks in window
 
-    class Res:  # the Residency surface: resident(i), the run from the root, a span
+    class Res:  # the Residency surface: resident(i), the run from the root, a span, the deepest
         def __init__(self, held):
             self.held = held
 
@@ -587,6 +587,9 @@ def test_joint_hit_is_a_fixed_point_not_a_minimum():
 
         def span(self, lo, k):
             return next((i for i in range(lo, k) if i not in self.held), k) - lo
+
+        def deepest(self, k):
+            return next((j for j in range(k, 0, -1) if j - 1 in self.held), 0)
 
     full_res = {0, 1, 2, 3, 4, 5}
     swa_res = {0, 1, 3, 4}  # hole at 2: hits 5 (needs 3,4) ok; 3 needs 1,2 no; 2 needs 0,1 ok
