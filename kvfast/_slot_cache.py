@@ -68,5 +68,5 @@ class KVCache(kvref.KVCache):
         if kind == "cuda":
             cp = require_cuda("KVCache.make", dev)
             fp8 = config.dtype if is_fp8(config.dtype) else None
-            return CudaSlotEngine(config.max_seqs, dev, cp, fp8_dtype=fp8)  # pragma: no cover - needs a GPU
+            return CudaSlotEngine(config.max_seqs, dev, cp, fp8_dtype=fp8)
         return FastSlotEngine(config.max_seqs)

@@ -67,13 +67,13 @@ def require_cuda(api: str, device_id: int):
             f"{api}: device='cuda:{device_id}' needs CuPy and a GPU; CuPy is not installed "
             "(pip install 'kvcache[gpu]'), use device='cpu'"
         ) from None
-    try:  # pragma: no cover - needs CuPy
+    try:
         count = cp.cuda.runtime.getDeviceCount()
-    except Exception as e:  # pragma: no cover - needs CuPy
+    except Exception as e:  # pragma: no cover - a CuPy without a driver
         raise RuntimeError(f"{api}: device='cuda:{device_id}' but no CUDA device is visible ({e})") from None
-    if not 0 <= device_id < count:  # pragma: no cover - needs CuPy
+    if not 0 <= device_id < count:
         raise RuntimeError(f"{api}: device='cuda:{device_id}' but {count} CUDA device(s) are visible")
-    return cp  # pragma: no cover - needs CuPy
+    return cp
 
 
 class ArrayWriteSets:
@@ -298,6 +298,10 @@ class FastSlotEngine(ReferenceSlotEngine):
 class CudaSlotEngine(FastSlotEngine):
     """Storage and ``StepIndices`` on a CUDA device (CuPy); bookkeeping on the host.
 
+    Every method runs in CI without a GPU, on the emulated device (``KVFAST_CUDA_EMULATE=1``:
+    the CuPy stand-in launches the ``.cu`` kernels compiled for the host), and on a lent GPU
+    in ``kvcache gpu-check``.
+
     Parameters
     ----------
     max_seqs : int
@@ -311,7 +315,7 @@ class CudaSlotEngine(FastSlotEngine):
         device keeps FP8 storage as uint8 bit patterns, so the engine is told the format.
     """
 
-    def __init__(self, max_seqs: int, device_id: int, cp, fp8_dtype: str | None = None):  # pragma: no cover
+    def __init__(self, max_seqs: int, device_id: int, cp, fp8_dtype: str | None = None):
         super().__init__(max_seqs)
         #: the cache's FP8 dtype name (its storage is uint8 bit patterns on the device), or None
         self.fp8_dtype = fp8_dtype
@@ -319,21 +323,21 @@ class CudaSlotEngine(FastSlotEngine):
         self._dev = device_id
         self._cp = cp
 
-    def zeros(self, shape, dtype):  # pragma: no cover - needs a GPU
+    def zeros(self, shape, dtype):
         # CuPy has no bfloat16 and no FP8: such storage lives as its bit patterns on the device.
         name = np.dtype(dtype).name
         dt = np.dtype(np.uint16) if name == "bfloat16" else np.dtype(np.uint8) if name in FP8_DTYPES else dtype
         with self._cp.cuda.Device(self._dev):
             return self._cp.zeros(shape, dt)
 
-    def write_sets(self, max_seqs: int) -> ArrayWriteSets:  # pragma: no cover - needs a GPU
+    def write_sets(self, max_seqs: int) -> ArrayWriteSets:
         return ArrayWriteSets(max_seqs, to_host=self.to_host)
 
-    def to_host(self, x) -> np.ndarray:  # pragma: no cover - needs a GPU
+    def to_host(self, x) -> np.ndarray:
         return self._cp.asnumpy(x) if isinstance(x, self._cp.ndarray) else np.asarray(x)
 
     def build_step(self, cu_seqlens_q, past_len, slot_ids, table, enc_lens, block_size: int,
-                   max_seq_len: int) -> StepIndices:  # pragma: no cover - needs a GPU
+                   max_seq_len: int) -> StepIndices:
         step = super().build_step(cu_seqlens_q, past_len, slot_ids, table, enc_lens, block_size, max_seq_len)
         cp = self._cp
         with cp.cuda.Device(self._dev):
@@ -341,18 +345,18 @@ class CudaSlotEngine(FastSlotEngine):
                               else getattr(step, f.name)) for f in dataclasses.fields(step)}
         return StepIndices(**moved)
 
-    def kv_input(self, api: str, name: str, x, storage_dtype, logical_dtype: str):  # pragma: no cover - needs a GPU
+    def kv_input(self, api: str, name: str, x, storage_dtype, logical_dtype: str):
         from ._cuda.convert import to_device_storage
 
         with self._cp.cuda.Device(self._dev):
             # The reference's conversion (bfloat16: round to nearest even, ml_dtypes' bits), same messages.
             return to_device_storage(api, name, x, storage_dtype, logical_dtype)
 
-    def _geometry(self, K):  # pragma: no cover - needs a GPU
+    def _geometry(self, K):
         row = K.shape[2] * K.shape[3]
         return K.shape[1], K.shape[1] * row, row
 
-    def _device_slots(self, K, slot_mapping):  # pragma: no cover - needs a GPU
+    def _device_slots(self, K, slot_mapping):
         """``(slot_mapping on the device, None)``, or ``(None, t)`` when nothing may be launched:
         ``t = -1`` for no tokens, else the first token whose slot is past the storage (one device
         sync: the kernels must not write past it). Call inside ``cp.cuda.Device(self._dev)``."""
@@ -365,7 +369,7 @@ class CudaSlotEngine(FastSlotEngine):
             return None, int(cp.flatnonzero(sm >= rows)[0])
         return sm, None
 
-    def scatter_kv(self, K, V, k, v, slot_mapping) -> int:  # pragma: no cover - needs a GPU
+    def scatter_kv(self, K, V, k, v, slot_mapping) -> int:
         from ._cuda.append_kv import append_kv as launch
         from ._cuda.convert import rows_contiguous
 
@@ -379,7 +383,7 @@ class CudaSlotEngine(FastSlotEngine):
                    row_stride=row_stride)
         return -1
 
-    def gather_kv(self, K, V, slot: int, n: int, block_row, block_size: int):  # pragma: no cover - needs a GPU
+    def gather_kv(self, K, V, slot: int, n: int, block_row, block_size: int):
         cp = self._cp
         with cp.cuda.Device(self._dev):
             if block_row is None:
@@ -390,7 +394,7 @@ class CudaSlotEngine(FastSlotEngine):
             return launch(K, V, cp.asarray(block_row), n, block_size=bs, block_stride=block_stride,
                           row_stride=row_stride, kv_heads=K.shape[2], head_dim=K.shape[3])
 
-    def fill_plane(self, K, slot: int, k) -> None:  # pragma: no cover - needs a GPU
+    def fill_plane(self, K, slot: int, k) -> None:
         logical = "bfloat16" if K.dtype == np.uint16 else str(K.dtype)  # uint16 storage is bfloat16 bits
         k = self.kv_input("fill", "k", k, K.dtype, logical)
         with self._cp.cuda.Device(self._dev):
@@ -400,17 +404,17 @@ class CudaSlotEngine(FastSlotEngine):
 
     # ------------------------------------------------------------------ FP8 K/V (spec/slot-cache.md §10)
 
-    def kv_input_float32(self, api: str, name: str, x):  # pragma: no cover - needs a GPU
+    def kv_input_float32(self, api: str, name: str, x):
         from ._cuda.convert import to_device_storage
 
         with self._cp.cuda.Device(self._dev):
             return to_device_storage(api, name, x, np.dtype(np.float32), "float32")
 
-    def _device_table(self, table: np.ndarray):  # pragma: no cover - needs a GPU
+    def _device_table(self, table: np.ndarray):
         with self._cp.cuda.Device(self._dev):
             return self._cp.asarray(table)
 
-    def first_nonfinite(self, x) -> int:  # pragma: no cover - needs a GPU
+    def first_nonfinite(self, x) -> int:
         cp = self._cp
         with cp.cuda.Device(self._dev):
             if x.shape[0] == 0:
@@ -419,7 +423,7 @@ class CudaSlotEngine(FastSlotEngine):
         bad = np.flatnonzero(~ok)
         return int(bad[0]) if bad.size else -1
 
-    def zero_index_rows(self, buffers, rows) -> None:  # pragma: no cover - needs a GPU
+    def zero_index_rows(self, buffers, rows) -> None:
         cp = self._cp
         rows = np.asarray(rows, dtype=np.int64)
         if rows.size == 0:
@@ -429,7 +433,7 @@ class CudaSlotEngine(FastSlotEngine):
             for buf in buffers:
                 buf[idx] = 0
 
-    def scatter_kv_fp8(self, K, V, Ks, Vs, k, v, slot_mapping, unit: int) -> int:  # pragma: no cover - needs a GPU
+    def scatter_kv_fp8(self, K, V, Ks, Vs, k, v, slot_mapping, unit: int) -> int:
         from ._cuda.append_kv_fp8 import append_kv_fp8 as launch
         from ._cuda.convert import rows_contiguous
 
@@ -443,7 +447,7 @@ class CudaSlotEngine(FastSlotEngine):
                    block_stride=block_stride, row_stride=row_stride, unit_tokens=unit)
         return -1
 
-    def gather_kv_fp8(self, K, V, Ks, Vs, slot: int, n: int, block_row, block_size: int, unit: int):  # pragma: no cover
+    def gather_kv_fp8(self, K, V, Ks, Vs, slot: int, n: int, block_row, block_size: int, unit: int):
         cp = self._cp
         k, v = self.gather_kv(K, V, slot, n, block_row, block_size)
         upb = -(-K.shape[1] // unit)
@@ -460,14 +464,14 @@ class CudaSlotEngine(FastSlotEngine):
             vs = Vs.reshape(-1, H)[u][:, :, None]
             return lut[k.astype(cp.int64)] * ks, lut[v.astype(cp.int64)] * vs
 
-    def zero_rows(self, buffers, slot: int) -> None:  # pragma: no cover - needs a GPU
+    def zero_rows(self, buffers, slot: int) -> None:
         from ._cuda.state import state_zero_rows
 
         with self._cp.cuda.Device(self._dev):
             for buf in buffers:
                 state_zero_rows(buf, np.array([slot], np.int64))
 
-    def save_rows(self, buffers, slot: int) -> list:  # pragma: no cover - needs a GPU
+    def save_rows(self, buffers, slot: int) -> list:
         from ._cuda.state import state_copy_rows
 
         out = []
@@ -478,7 +482,7 @@ class CudaSlotEngine(FastSlotEngine):
                 out.append(store[0])
         return out
 
-    def restore_rows(self, buffers, slot: int, saved) -> None:  # pragma: no cover - needs a GPU
+    def restore_rows(self, buffers, slot: int, saved) -> None:
         from ._cuda.state import state_copy_rows
 
         with self._cp.cuda.Device(self._dev):
@@ -486,7 +490,7 @@ class CudaSlotEngine(FastSlotEngine):
                 state_copy_rows(row[None], buf, np.array([0], np.int64), np.array([slot], np.int64))
 
     def attend(self, q, K, V, kind, window: int, step: StepIndices, block_size, scale: float,
-               kv_scales=None):  # pragma: no cover - needs a GPU
+               kv_scales=None):
         """CuPy version of the reference algorithm (same masks, float32 math); FP8 storage is
         dequantised as :meth:`gather_kv_fp8` returns it."""
         from ._cuda.convert import query_float32, storage_float32

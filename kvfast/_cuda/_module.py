@@ -46,13 +46,13 @@ def cupy():
 
 
 @functools.lru_cache(maxsize=None)
-def _module(filename: str, device_id: int):  # pragma: no cover - needs a GPU
+def _module(filename: str, device_id: int):
     cp = cupy()
     with cp.cuda.Device(device_id):
         return cp.RawModule(code=source(filename), options=("--std=c++17", f"-I{KERNEL_DIR}"))
 
 
-def get_kernel(filename: str, base: str, itemsize: int, device_id: int = 0):  # pragma: no cover - needs a GPU
+def get_kernel(filename: str, base: str, itemsize: int, device_id: int = 0):
     """The ``RawKernel`` ``<base>_<u8|u16|u32>`` of ``kvfast/kernels/<filename>``."""
     return _module(filename, device_id).get_function(entry_name(base, itemsize))
 
