@@ -451,15 +451,15 @@ class CudaSlotEngine(FastSlotEngine):
         cp = self._cp
         k, v = self.gather_kv(K, V, slot, n, block_row, block_size)
         upb = -(-K.shape[1] // unit)
-        pos = np.arange(n)
-        if block_row is None:
-            units = slot * upb + pos // unit
-        else:
-            units = self.to_host(block_row).astype(np.int64)[pos // block_size] * upb + (pos % block_size) // unit
         H = K.shape[2]
         with cp.cuda.Device(self._dev):
+            # each position's scale unit, computed on the device (no copy of the block row to the host)
+            pos = cp.arange(n, dtype=cp.int64)
+            if block_row is None:
+                u = slot * upb + pos // unit
+            else:
+                u = cp.asarray(block_row).astype(cp.int64)[pos // block_size] * upb + (pos % block_size) // unit
             lut = self._fp8_table(self.fp8_dtype)
-            u = cp.asarray(units)
             ks = Ks.reshape(-1, H)[u][:, :, None]
             vs = Vs.reshape(-1, H)[u][:, :, None]
             return lut[k.astype(cp.int64)] * ks, lut[v.astype(cp.int64)] * vs
