@@ -122,8 +122,6 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         #: sliding leaves: (leaf id, blocks in the window), for the decode step's no-slide test
         self._windows = [(leaf.leaf_id, leaf.blocks_in_window) for leaf in self._leaves
                          if leaf.kind is LeafKind.SLIDING_WINDOW]
-        #: FP8 (spec/manager.md §16): a page's scales, in elements (the inputs' scales_page_stride)
-        self._scales_stride = int(np.prod(params.page_scales_shape)) if params.page_scales_shape else 0
         if params.hash_algo == "sha256":
             self._hash1 = _sha256_digest
         else:

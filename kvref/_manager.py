@@ -235,6 +235,8 @@ class PagedKVCacheManager:
         self._slack = spec_decode_cache_slack(params)
         # spec/manager.md §16 (FP8 K/V): per-page float32 scales beside every full/sliding page.
         self._scales_shape = params.page_scales_shape
+        #: elements from one page's scales to the next (the inputs' ``scales_page_stride``; 0: no scales)
+        self._scales_stride = math.prod(self._scales_shape) if self._scales_shape else 0
 
         self._engine = engine
         # spec/manager.md §13: num_blocks counts huge blocks; leaf l has num_blocks * ratio[l] page ids.
@@ -2167,7 +2169,7 @@ class PagedKVCacheManager:
                     max_cache_length=bound,
                     kv_scales=scales,
                     scales_page_stride=(None if scales is None else
-                                        eng.to_device(np.array([math.prod(self._scales_shape)], np.int64))),
+                                        eng.to_device(np.array([self._scales_stride], np.int64))),
                     scales_lookup_table=None if scales is None else lut,
                     page_stride=None if lid not in self._page_strides else eng.to_device(self._page_strides[lid]),
                 )
