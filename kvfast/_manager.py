@@ -514,18 +514,11 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                 return None
             seen += n
             rows = [q.rows[leaf] for q in reqs]
-            if not k:
-                ends = [c._processed + c._active for c in batch]  # current_position
-                widths = [-(-e // page) for e in ends]  # num_req_blocks
-                lengths = [c._processed for c in batch]
-                longest = max([c._active for c in batch], default=0)
-                reach = max(ends, default=0)
-            else:  # spec/manager.md §15.3, §15.7: (len(draft_tokens_to_verify), len(maybe_accepted)) per row
-                counts = list(map(self._draft_counts, batch))
-                widths = list(map(self._required_blocks, batch))  # ceil(seq_len / page_size)
-                lengths = [c._processed + m for c, (_, m) in zip(batch, counts)]
-                longest = max([c._active + v for c, (v, _) in zip(batch, counts)], default=0)
-                reach = max([c._processed + c._active + v + m + k for c, (v, m) in zip(batch, counts)], default=0)
+            # num_req_blocks: ceil(current_position / page_size), with drafts ceil(seq_len / page_size)
+            # (spec/manager.md §15.3)
+            widths = [-(-(c._processed + c._active) // page) for c in batch] if not k else \
+                list(map(self._required_blocks, batch))
+            lengths, longest, reach = self._batch_extents(batch)  # spec/manager.md §8, §15.7
             if list(map(len, rows)) != widths and not all(map(int.__ge__, map(len, rows), widths)):
                 return None
             for lid in self._state_ids:

@@ -2143,17 +2143,8 @@ class PagedKVCacheManager:
             # what every leaf's inputs share, computed once per batch
             reqs = [requests[c.request_id] for c in batch]
             widths = [self._required_blocks(c) for c in batch]
-            if self._drafts:  # spec/manager.md §15: MAX's cache_lengths and max lengths with drafts
-                drafts = [self._draft_counts(c) for c in batch]
-                lengths = eng.to_device(np.array([c.processed_length + m for c, (_, m) in zip(batch, drafts)],
-                                                 dtype=np.uint32))
-                longest = max((c.active_length + v for c, (v, _) in zip(batch, drafts)), default=0)
-                reach = max((c.current_position + v + m + self._drafts for c, (v, m) in zip(batch, drafts)),
-                            default=0)
-            else:
-                lengths = eng.to_device(np.array([c.processed_length for c in batch], dtype=np.uint32))
-                longest = max((c.active_length for c in batch), default=0)
-                reach = max((c.current_position for c in batch), default=0)
+            lengths, longest, reach = self._batch_extents(batch)
+            lengths = eng.to_device(np.array(lengths, dtype=np.uint32))
             bound = int(max_cache_length) if max_cache_length is not None else reach
             per = {}
             for lid in leaf_ids:
@@ -2175,6 +2166,20 @@ class PagedKVCacheManager:
                 )
             out.append(per)
         return out
+
+    def _batch_extents(self, batch) -> tuple[list[int], int, int]:
+        """spec/manager.md §8, §15.7: each context's ``cache_lengths`` entry, the batch's
+        ``max_prompt_length`` and its ``max_cache_length`` (when not given): ``processed_length``,
+        ``active_length`` and ``current_position``; with drafts (MAX's), the drafts in flight count
+        as cached, the drafts to verify as prompt, and ``num_draft_tokens`` more as reach."""
+        if not self._drafts:
+            return ([c._processed for c in batch], max([c._active for c in batch], default=0),
+                    max([c._processed + c._active for c in batch], default=0))
+        counts = list(map(self._draft_counts, batch))
+        return ([c._processed + m for c, (_, m) in zip(batch, counts)],
+                max([c._active + v for c, (v, _) in zip(batch, counts)], default=0),
+                max([c._processed + c._active + v + m + self._drafts for c, (v, m) in zip(batch, counts)],
+                    default=0))
 
     @staticmethod
     def _draft_counts(ctx: TextContext) -> tuple[int, int]:
