@@ -932,6 +932,7 @@ class BlockPool:
 
 
 _EMPTY_I32 = np.empty(0, np.int32)
+_INT64 = np.dtype(np.int64)
 
 
 def _ids(blocks) -> np.ndarray:
@@ -939,6 +940,8 @@ def _ids(blocks) -> np.ndarray:
     ``range`` without a Python loop, else any iterable of ints."""
     if type(blocks) is list:
         return np.fromiter(blocks, np.int64, len(blocks))
+    if type(blocks) is np.ndarray and blocks.dtype is _INT64 and blocks.ndim == 1:
+        return blocks  # a release's or a slab call's ids, converted once by the caller
     if type(blocks) is range:
         return np.arange(blocks.start, blocks.stop, blocks.step, dtype=np.int64)
     if isinstance(blocks, np.ndarray):
@@ -950,6 +953,8 @@ def _ids(blocks) -> np.ndarray:
 
 def _check_expiry(expiry) -> float:
     """An expiry as a float (not NaN); ``TypeError`` / ``ValueError`` otherwise."""
+    if type(expiry) is float and expiry == expiry:  # the manager's (a float, not NaN): no ABC checks
+        return expiry
     if isinstance(expiry, bool) or not isinstance(expiry, (int, float, np.floating, np.integer)):
         raise TypeError(f"BlockPool.set_retention: expiry={expiry!r}, must be a float (math.inf: none)")
     e = float(expiry)
