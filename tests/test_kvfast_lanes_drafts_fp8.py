@@ -5,7 +5,8 @@ A scheduler loop drives a kvref and a kvfast manager through the same calls: ``a
 ``runtime_inputs`` (with and without a capture width), accepted drafts appended with
 ``update``, ``step``, drafts set for the next forward and, with overlap scheduling, drafts in
 flight (``maybe_accepted_draft_tokens``). Every result (every field of the inputs, scales
-included), every error and the block tables must agree. While a step neither rolls drafts back
+included), every error and the block tables must agree (the conformance suite's
+``capture`` / ``assert_same_outcome``). While a step neither rolls drafts back
 nor admits, the policy's ``alloc`` and ``runtime_inputs`` are made to fail in kvfast's manager:
 the lanes serve them.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from kvspec import KVCacheParams, LeafSpec, TextContext
+from kvspec.conformance._compare import assert_same_outcome, capture
 
 import kvfast
 import kvref
@@ -34,29 +36,9 @@ CONFIGS = {
 }
 
 
-def _fields(out) -> list:
-    """Every field of a ``KVCacheInputs`` as plain values (arrays as (dtype, shape, list); the
-    buffers by shape, and whether the scales table is the lookup table itself, as in kvref)."""
-    def arr(x):
-        return None if x is None else (x.dtype.str, x.shape, x.tolist())
-
-    rows = []
-    for per in out.inputs:
-        for lid, x in sorted(per.items()) if isinstance(per, dict) else [("", per)]:
-            rows.append((lid, arr(x.lookup_table), arr(x.cache_lengths), x.max_prompt_length, x.max_cache_length,
-                         None if x.kv_blocks is None else x.kv_blocks.shape,
-                         None if x.kv_scales is None else x.kv_scales.shape, arr(x.scales_page_stride),
-                         None if x.scales_lookup_table is None else x.scales_lookup_table is x.lookup_table,
-                         arr(x.page_stride)))
-    return rows
-
-
-def _outcome(fn):
-    try:
-        v = fn()
-        return ("ok", _fields(v) if hasattr(v, "inputs") else type(v).__name__)
-    except Exception as e:  # the same type and message in both packages
-        return ("err", type(e).__name__, str(e))
+def _kind(transfer) -> str:
+    """``alloc``'s result by its class (a ``CompletedTransfer`` has no equality)."""
+    return type(transfer).__name__
 
 
 def _tables(m, ctxs):
@@ -93,7 +75,8 @@ def test_decode_lanes_serve_drafts_and_fp8_with_the_reference_results(config, mo
     for i, (a, b) in enumerate(pairs):
         for m, c in ((ref, a), (fast, b)):
             m.claim(c, i % dp)
-        assert _outcome(lambda: ref.alloc(a)) == _outcome(lambda: fast.alloc(b))
+        assert_same_outcome(f"alloc({a.request_id})", capture(lambda: _kind(ref.alloc(a))),
+                            capture(lambda: _kind(fast.alloc(b))))
     assert _tables(ref, [a for a, _ in pairs]) == _tables(fast, [b for _, b in pairs])
 
     def batches(j):
@@ -106,9 +89,9 @@ def test_decode_lanes_serve_drafts_and_fp8_with_the_reference_results(config, mo
     for step in range(14):
         width = None if step % 3 else 96  # a CUDA-graph capture width every third step
         gate.closed = step > 0 and not (k and step % 4 == 3)  # step % 4 == 3: drafts in flight resolve
-        want = _outcome(lambda: ref.runtime_inputs(batches(0), max_cache_length=width))
-        got = _outcome(lambda: fast.runtime_inputs(batches(1), max_cache_length=width))
-        assert got == want, (step, got, want)
+        assert_same_outcome(f"step {step}: runtime_inputs(max_cache_length={width})",
+                            capture(lambda: ref.runtime_inputs(batches(0), max_cache_length=width)),
+                            capture(lambda: fast.runtime_inputs(batches(1), max_cache_length=width)))
         # the forward: the accepted drafts and a bonus token are appended (update)
         accepted = {c[0].request_id: int(rng.integers(0, k + 1)) if k else 0 for c in pairs}
         for a, b in pairs:
@@ -125,8 +108,10 @@ def test_decode_lanes_serve_drafts_and_fp8_with_the_reference_results(config, mo
                 drafts(j, "draft_tokens_to_verify", nxt)
                 drafts(j, "maybe_accepted_draft_tokens", maybe)
         for a, b in pairs:
-            assert _outcome(lambda: ref.step(a)) == _outcome(lambda: fast.step(b))
-            assert _outcome(lambda: ref.alloc(a)) == _outcome(lambda: fast.alloc(b)), (step, a.request_id)
+            assert_same_outcome(f"step {step}: step({a.request_id})", capture(lambda: ref.step(a)),
+                                capture(lambda: fast.step(b)))
+            assert_same_outcome(f"step {step}: alloc({a.request_id})", capture(lambda: _kind(ref.alloc(a))),
+                                capture(lambda: _kind(fast.alloc(b))))
         gate.closed = False
         assert _tables(ref, [a for a, _ in pairs]) == _tables(fast, [b for _, b in pairs]), step
     fast.check_invariants()
@@ -153,10 +138,10 @@ def test_bad_drafts_go_to_the_policy_and_raise_its_errors(k):
                 c.spec_decoding_state.draft_tokens_to_verify = []
                 c.spec_decoding_state.maybe_accepted_draft_tokens = []
                 setattr(c.spec_decoding_state, name, value)
-            for call in (lambda m, c: m.alloc(c), lambda m, c: m.runtime_inputs([[c]]),
+            for call in (lambda m, c: _kind(m.alloc(c)), lambda m, c: m.runtime_inputs([[c]]),
                          lambda m, c: m.runtime_inputs([[c]], max_cache_length=64 + 3 * k + 1)):
                 before = [_tables(m, [c]) for m, c in zip(ms, cs)]
-                got = [_outcome(lambda m=m, c=c: call(m, c)) for m, c in zip(ms, cs)]
-                assert got[0] == got[1], (value, name, got)
-                if got[0][0] == "err":
+                got = [capture(lambda m=m, c=c: call(m, c)) for m, c in zip(ms, cs)]
+                assert_same_outcome(f"{name}={value!r}", *got)
+                if got[0].raised:
                     assert [_tables(m, [c]) for m, c in zip(ms, cs)] == before
