@@ -24,7 +24,6 @@ so neither is evicted or reused under a copy.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import weakref

@@ -1,6 +1,6 @@
 """Leaves as classes (issue 12, deliverable 4): each leaf kind holds its own hit, sizing and
-commit rules in ``kvref/_leaves.py``, and the policy in ``kvref/_manager.py`` asks the leaf
-instead of branching on its kind (spec/manager.md §3.2, §4.6, §5)."""
+commit rules in ``kvref/_leaves.py``, and the policy (``kvref/_manager.py`` and the files of its
+halves) asks the leaf instead of branching on its kind (spec/manager.md §3.2, §4.6, §5)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvspec import KVCacheParams, LeafKind, LeafSpec
 from kvspec.engine import NULL_BLOCK
 
-from kvref import _manager
+from kvref import _allocation, _commit, _manager, _prefix_hits, _runtime_inputs, _transfers
 from kvref._leaves import FullLeaf, Leaf, RecurrentLeaf, Residency, SlidingWindowLeaf, joint_hit
 from kvref._request import _AllocPlan, _Request
 from kvref._runtime_inputs import LUT_ALIGN
@@ -271,9 +271,20 @@ def _kind_tests(node: ast.AST) -> list[int]:
     return out
 
 
-def test_the_policy_does_not_branch_on_leaf_kind():
-    tree = ast.parse(inspect.getsource(_manager))
-    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "PagedKVCacheManager"]
+#: The policy: the front class and the halves it mixes in (spec/manager.md §12).
+POLICY = {_manager: "PagedKVCacheManager", _prefix_hits: "PrefixHits", _allocation: "Allocation",
+          _commit: "Commit", _transfers: "Transfers", _runtime_inputs: "RuntimeInputs"}
+
+
+def test_the_policy_is_the_front_class_and_its_halves():
+    assert _manager.PagedKVCacheManager.__mro__[1:-1] == tuple(getattr(m, name) for m, name in POLICY.items()
+                                                               if m is not _manager)
+
+
+@pytest.mark.parametrize("module", list(POLICY), ids=lambda m: m.__name__)
+def test_the_policy_does_not_branch_on_leaf_kind(module):
+    tree = ast.parse(inspect.getsource(module))
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == POLICY[module]]
     in_init, elsewhere = [], []
     for n in tree.body:
         if n is cls:
@@ -282,7 +293,7 @@ def test_the_policy_does_not_branch_on_leaf_kind():
         else:
             elsewhere.extend(_kind_tests(n))
     # (the import of LeafKind is an ImportFrom, not an attribute: not counted)
-    assert elsewhere == [], f"kvref/_manager.py branches on leaf kind outside __init__ at lines {elsewhere}"
+    assert elsewhere == [], f"{module.__file__} branches on leaf kind outside __init__ at lines {elsewhere}"
     assert len(in_init) <= MAX_KIND_TESTS_IN_INIT, f"kind tests in __init__ at lines {in_init}"
 
 

@@ -5,7 +5,8 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FILES = ["kvref/_manager.py", "kvref/_request.py", "kvref/_runtime_inputs.py", "kvref/_leaves.py",
+FILES = ["kvref/_manager.py", "kvref/_prefix_hits.py", "kvref/_allocation.py", "kvref/_commit.py",
+         "kvref/_transfers.py", "kvref/_request.py", "kvref/_runtime_inputs.py", "kvref/_leaves.py",
          "kvref/_manager_engine.py", "kvfast/_manager.py", "kvfast/_manager_engine.py",
          "spec/kvspec/engine/_manager.py", "spec/kvspec/engine/_pool.py"]
 CITE = re.compile(r"spec/manager\.md §(\d+)(?:\.(\d+))?")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from ._dtypes import KV_DTYPES, STATE_DTYPES, resolve_dtype
 from .hashing import HASH_ALGOS
 
-__all__ = ["KVCacheMode", "LayerKind", "KVLayerSpec", "KVCacheConfig", "parse_device", "check_int", "INT32_MAX"]
+__all__ = ["KVCacheMode", "LayerKind", "KVLayerSpec", "KVCacheConfig", "parse_device", "check_int", "is_int", "INT32_MAX"]
 
 #: Largest value of the int32 index tensors (positions, slot ids, block ids,
 #: ``cu_seqlens``): every size that ends up in one is bounded by it
@@ -36,6 +36,11 @@ class LayerKind(enum.Enum):
     SLIDING_WINDOW = "sliding_window"
     CROSS_ATTENTION = "cross_attention"
     STATE = "state"
+
+
+def is_int(value) -> bool:
+    """Whether ``value`` is an integer :func:`check_int` accepts (an ``int`` or NumPy integer, not a ``bool``)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def check_int(owner: str, name: str, value, *, low: int | None = None, high: int | None = None) -> int:

@@ -52,7 +52,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TARGETS = {
     "kvfast": ["kvfast/*.py", "kvfast/_numba/*.py"],
     "kvref": ["kvref/_block_pool.py", "kvref/_slot_cache.py", "kvref/_slot_engine.py", "kvref/ops.py",
-              "kvref/_manager.py", "kvref/_leaves.py"],
+              "kvref/_manager.py", "kvref/_prefix_hits.py", "kvref/_allocation.py", "kvref/_commit.py",
+              "kvref/_transfers.py", "kvref/_runtime_inputs.py", "kvref/_leaves.py"],
 }
 
 #: Never mutated: package entry points, the conformance factory, torch/DLPack interop.
