@@ -106,12 +106,6 @@ class Allocation:
         except _AwaitOffloads as wait:
             self._settle_offloads(wait)
             return self.alloc(ctx, defer_lookup=defer_lookup)  # spec/manager.md §4 step 6: sized again
-        if plan.tier_hit is not None:
-            # spec/manager.md §9.8: round 1 (the device part and the sizing) keeps the tiers' answer;
-            # round 2 posts the load into the pages round 1 drew.
-            self._commit_alloc(req, ctx, plan)
-            req.lookup = plan.tier_hit
-            return self._commit_alloc(req, ctx, self._plan_alloc(req, ctx, False))
         return self._commit_alloc(req, ctx, plan)  # nothing below can fail
 
     def _grow(self, req: _Request, ctx: TextContext) -> KVTransfer:
@@ -345,6 +339,10 @@ class Allocation:
                 continue
             row = req.rows[leaf.leaf_id]
             pages = [pools[leaf.leaf_id].allocate_one()] if n == 1 else pools[leaf.leaf_id].allocate(n)
+            if plan.drawn is not None and pages != plan.drawn.get(leaf.leaf_id, pages):
+                # spec/manager.md §9.8: a load was posted into the predicted pages; any other draw is a bug
+                raise AssertionError(f"alloc: leaf {leaf.leaf_id!r} drew pages {pages}, the load went into "
+                                     f"{plan.drawn[leaf.leaf_id]}")
             if plan.leaf_peer:
                 pages = self._fill_peer_slots(req, ctx, leaf, row, pages, plan, copies)
             copy = leaf.first_state_copy(row, pages, plan, req)  # spec/manager.md §4.7: a new live state

@@ -169,7 +169,7 @@ class _AllocPlan:
     """What ``alloc`` will do, decided before anything changes (spec/manager.md §4)."""
 
     __slots__ = ("undo_load", "splice", "local", "k", "hashes", "rows", "nulled", "restore", "peer", "need",
-                 "lookup_pending", "ext_ran", "load", "load_done", "load_failed", "tier_hit", "leaf_peer",
+                 "lookup_pending", "ext_ran", "load", "load_done", "load_failed", "drawn", "leaf_peer",
                  "restore_peer")
 
     def __init__(self):
@@ -183,9 +183,9 @@ class _AllocPlan:
         self.peer: dict[int, tuple[int, int]] = {}  # block index -> (source replica, source page)
         self.need: dict[str, int] = {}  # leaf -> pages the sizing draws
         self.load: _Load | None = None
-        # spec/manager.md §9.8: (first block, blocks) the tiers add, held for a second round that posts
-        # the load once the sizing has drawn its pages
-        self.tier_hit: tuple[int, int] | None = None
+        # spec/manager.md §9.8: leaf -> the pages the sizing will draw, predicted when a load was posted
+        # into them (the sizing checks it draws exactly those)
+        self.drawn: dict[str, list[int]] | None = None
         # spec/manager.md §7.3 with several leaves: (leaf, block) -> (source replica, source page), the
         # row slot is None until the sizing draws its page; recurrent leaf -> (source replica, checkpoint)
         self.leaf_peer: dict[tuple[str, int], tuple[int, int]] = {}

@@ -439,10 +439,25 @@ class Slab:
         # other pages it does not use): replay it exactly (O(free pages); only near a full slab).
         return self._replay(wants, taken or {})
 
-    def _replay(self, wants: Mapping[str, int], taken: Mapping[str, Iterable[int]]
-                ) -> tuple[str, int, int] | None:
-        """Replay the touches of ``taken`` and the draws of ``wants`` (leaf order) on copies of the
-        free lists and the parked queue; the first leaf that runs dry, or None. Changes nothing."""
+    def peek(self, wants: Mapping[str, int], taken: Mapping[str, Iterable[int]] | None = None
+             ) -> dict[str, list[int]]:
+        """The pages a joint draw hands out, changing nothing: after the pages in ``taken[leaf]`` are
+        touched, ``wants[leaf]`` pages are drawn for each leaf in turn, in the order of ``wants`` (as
+        one ``allocate`` per leaf would, claims of huge blocks included). ``CapacityError`` when a leaf
+        runs dry (``shortfall`` says which first). O(free pages): the manager predicts the pages a
+        load goes into before anything is drawn (spec/manager.md §9.8)."""
+        drawn: dict[str, list[int]] = {lid: [] for lid in wants}
+        short = self._replay(wants, taken or {}, drawn)
+        if short is not None:
+            lid, n, got = short
+            raise CapacityError(f"Slab.peek: needs {n} blocks of leaf {lid!r}, {got} can be drawn")
+        return drawn
+
+    def _replay(self, wants: Mapping[str, int], taken: Mapping[str, Iterable[int]],
+                drawn: dict[str, list[int]] | None = None) -> tuple[str, int, int] | None:
+        """Replay the touches of ``taken`` and the draws of ``wants`` (in its order) on copies of the
+        free lists and the parked queue; the first leaf that runs dry, or None. Changes nothing;
+        ``drawn[leaf]`` (when given) receives each leaf's pages in draw order."""
         from collections import deque
 
         t = self.table
@@ -458,14 +473,14 @@ class Slab:
             lists[lid] = deque(b for b in inner.free_order() if b not in pages)
         for lid, n in wants.items():
             me, ratio, inner, lst = self._index[lid], self.ratios[lid], self.inner[lid], lists[lid]
-            for drawn in range(n):
+            for got in range(n):
                 while lst and (lid, lst[0]) in dead:
                     lst.popleft()
                 first = parked[0] if parked else 0
                 pristine = bool(parked) and owner.get(first, t.owner[first]) == PRISTINE
                 if not lst or (pristine and inner.block_hash[lst[0]] is not None):
                     if not parked:
-                        return lid, n, drawn
+                        return lid, n, got
                     h = parked.popleft()
                     prev = owner.get(h, t.owner[h])
                     if prev != PRISTINE:
@@ -474,8 +489,10 @@ class Slab:
                     owner[h] = me
                     lst.extendleft(reversed(self._pages_of(lid, h)))
                 b = lst.popleft()
-                if b // ratio in parked:  # O(parked): the replay runs only when the slab is nearly full
+                if b // ratio in parked:  # O(parked)
                     parked.remove(b // ratio)
+                if drawn is not None:
+                    drawn[lid].append(b)
         return None
 
     # ------------------------------------------------------------------ claims

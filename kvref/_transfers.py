@@ -223,7 +223,7 @@ class Transfers:
         r, page = req.replica, self._page
         cap = k + min(len(hashes) - k, (ctx.current_position - processed - 1) // page)
         if req.lookup is not None and req.lookup[0] == k and k + req.lookup[1] <= cap:
-            k2 = k + req.lookup[1]  # the held answer is the joint hit (start_lookup, or round 1)
+            k2 = k + req.lookup[1]  # the held answer is the joint hit (start_lookup)
         elif req.lookup is not None:
             start, held = req.lookup
             k2 = self._tier_hit("alloc", r, hashes, ctx.tokens, k, min(cap, start + held) if start <= k else k)
@@ -231,16 +231,16 @@ class Transfers:
             k2 = self._tier_hit("alloc", r, hashes, ctx.tokens, k, cap)
         if k2 <= k:
             return
-        if any(plan.need.values()):
-            # The sizing has not drawn the destination pages yet: this alloc posts the load in a second
-            # round, once they are the request's (spec/manager.md §9.8).
-            plan.ext_ran, plan.tier_hit = False, (k, k2 - k)
-            return
+        # spec/manager.md §9.8: the load goes into the rows as the sizing will leave them; the pages it
+        # draws are predicted (one joint peek of the slab), so the load is posted before anything changes.
+        drawn = self._peek_sizing(r, plan.need, touched) if any(plan.need.values()) else {}
         items, leaf_pages, leaf_blocks = [], {}, {}
         for leaf in self._leaves:
             lid = leaf.leaf_id
             blocks = leaf.needed_blocks(k, k2)
-            row = plan.rows[lid] if lid in plan.rows else req.rows[lid]  # sized: every page is the request's
+            row = plan.rows[lid] if lid in plan.rows else req.rows[lid]
+            if drawn.get(lid):
+                row = self._sized_row(row, drawn[lid])
             dest = leaf.load_destinations(row, blocks)
             leaf_pages[lid], leaf_blocks[lid] = dest, blocks
             items += [(lid, i, b) for i, b in zip(blocks, dest)]
@@ -257,6 +257,28 @@ class Transfers:
         plan.load = _Load(r, ctx.request_id, k, [], list(hashes[k:k2]), toks, handle,
                           leaf_pages=leaf_pages, leaf_blocks=leaf_blocks, nblocks=k2 - k)
         plan.load_done = done
+        plan.drawn = drawn or None
+
+    def _peek_sizing(self, r: int, need: dict[str, int], touched: dict[str, set[int]]) -> dict[str, list[int]]:
+        """The pages the sizing will draw for each leaf (spec/manager.md §4.6: leaf order, after the hit's
+        pages in ``touched`` were taken), changing nothing: one joint peek of the replica's slab
+        (a draw of one leaf may claim a huge block another leaf's pages are in), or each leaf's
+        own pool's ``peek``."""
+        wants = {leaf.leaf_id: need[leaf.leaf_id] for leaf in self._leaves if need.get(leaf.leaf_id)}
+        if self._slabs:
+            return self._slabs[r].peek(wants, touched)
+        pools = self._pools[r]
+        return {lid: pools[lid].peek(n, skip=touched.get(lid, ())) for lid, n in wants.items()}
+
+    @staticmethod
+    def _sized_row(row: list, pages: list[int]) -> list[int]:
+        """``row`` once the sizing drew ``pages`` into it: the first ones fill the slots peer copies
+        take (None, block order, spec/manager.md §7.3), the rest are appended (as ``_commit_alloc``)."""
+        out = list(row)
+        holes = [i for i, b in enumerate(out) if b is None]
+        for i, b in zip(holes, pages):
+            out[i] = b
+        return out + list(pages[len(holes):])
 
     def _pin_leaves(self, r: int, leaf_pages: dict[str, list[int]]) -> None:
         pins = self._leaf_pins[r]

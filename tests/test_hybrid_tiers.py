@@ -414,6 +414,59 @@ def test_a_bad_lookup_answer_rolls_the_alloc_back(pkg, config):
     m.shutdown()
 
 
+def _whole_state(m, ctx) -> tuple:
+    """Everything an alloc may change: each leaf's free order, the slab's parked queue, owners and live
+    counts, rows, pins, metrics, the context and its lookup state."""
+    slab = m._slabs[0].table
+    return ({lid: m._free_order(0, lid) for lid in HYBRIDS_OF(m)}, slab.parked_order(), slab.owners(),
+            slab.live_counts(), m.get_req_blocks_per_leaf(ctx), dict(m._leaf_pins[0]), m.block_count(),
+            m.get_metrics_aggregated(), m.pending_transfers_exist(), m.awaits_lookup(ctx),
+            (ctx.processed_length, ctx.active_length, ctx.cached_prefix_length,
+             ctx.cached_prefix_external_length))
+
+
+def HYBRIDS_OF(m) -> list[str]:
+    return list(m.params.leaves())
+
+
+@PKGS
+@CONFIGS
+def test_an_unexpected_load_error_leaves_everything_as_it_was(pkg, config):
+    """spec/manager.md §9.8, §11.22: a tier hit past pages the sizing draws posts its load into the
+    pages a joint peek of the slab predicts, before anything changes, so an unexpected exception of
+    ``connector.load`` (a connector bug) propagates with every pool, the slab, the rows, pins,
+    metrics and the context exactly as before; the next alloc loads the whole hit."""
+
+    class Broken(FaultConnector):
+        broken = False
+
+        def load(self, block_ids, hashes, tokens, replica_idx=0):
+            if self.broken:
+                raise RuntimeError("connector bug")
+            return super().load(block_ids, hashes, tokens, replica_idx)
+
+    fc = Broken(kvref.TieredConnector(host_bytes=64 * 64))
+    m = primed_gated(pkg, config, fc)
+    ctx = TextContext("b", PROMPT)
+    m.claim(ctx)
+    before = _whole_state(m, ctx)
+    fc.broken = True
+    with pytest.raises(RuntimeError, match="connector bug"):
+        m.alloc(ctx)
+    assert _whole_state(m, ctx) == before
+    m.check_invariants()
+    fc.broken = False
+    m.alloc(ctx).synchronize()
+    m.poll_transfers()
+    assert (ctx.cached_prefix_length, ctx.cached_prefix_external_length) == (32, 32)
+    check_hit_bytes(m, ctx)
+    forward(m, ctx)
+    m.release(ctx)
+    settle_manager(m)
+    m.check_invariants()
+    m.shutdown()
+
+
 def test_leaf_unit_store_maps_units_to_page_bytes():
     """spec/tiers.md §12: unit ids, bytes and zero padding of a multi-unit page; a unit write
     patches only its slice of the page."""

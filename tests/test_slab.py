@@ -367,6 +367,45 @@ def test_padded_pages_are_strided_views_with_their_page_stride(Manager):
     m.check_invariants()
 
 
+def _random_demand(engine: str, rng, trial: int):
+    """A slab after random draws, publications and frees of 2-3 leaves, a joint demand, and cached
+    free pages of each leaf a hit takes (``taken``)."""
+    lids = ["a", "b", "c"][: int(rng.integers(2, 4))]
+    ratios = {lid: int(rng.integers(1, 4)) for lid in lids}
+    slab = make_slab(engine, int(rng.integers(2, 10)), ratios)
+    held = {lid: [] for lid in lids}
+    for step in range(int(rng.integers(0, 40))):
+        lid = lids[int(rng.integers(0, len(lids)))]
+        pool = slab.pools[lid]
+        if rng.random() < 0.6 and pool.num_free:
+            b = pool.allocate_one()
+            held[lid].append(b)
+            if rng.random() < 0.5:
+                pool.publish(b, bytes([trial % 256, step, b % 256]) * 8, np.array([b], np.int32))
+        elif held[lid]:
+            pool.free([held[lid].pop(int(rng.integers(0, len(held[lid]))))])
+    demand = {lid: int(rng.integers(0, 7)) for lid in lids}
+    taken = {}
+    for lid in lids:
+        cached = [b for b in slab.pools[lid].free_order() if slab.pools[lid].block_hash[b] is not None]
+        taken[lid] = cached[: int(rng.integers(0, 3))]
+    return slab, lids, demand, taken
+
+
+def _touch_then_draw(slab: Slab, lids, demand, taken) -> dict[str, list[int]]:
+    """What the manager's commit does: touch the hit pages, then draw each leaf's pages in leaf order."""
+    for lid in lids:
+        for b in taken[lid]:
+            slab.pools[lid].touch(b)
+    return {lid: slab.pools[lid].allocate(demand[lid]) for lid in lids}
+
+
+def _slab_state(slab: Slab) -> tuple:
+    t = slab.table
+    return (t.parked_order(), t.owners(), t.live_counts(),
+            {lid: (p.free_order(), list(p.ref_count), list(p.block_hash)) for lid, p in slab.pools.items()})
+
+
 def test_joint_check_says_exactly_whether_the_draw_succeeds(engine):
     """``shortfall`` is None iff touching the hit pages and then drawing every leaf's pages in leaf
     order succeeds (the manager checks, then commits: a draw never fails halfway)."""
@@ -374,37 +413,39 @@ def test_joint_check_says_exactly_whether_the_draw_succeeds(engine):
 
     rng = np.random.default_rng(11)
     for trial in range(400):
-        lids = ["a", "b", "c"][: int(rng.integers(2, 4))]
-        ratios = {lid: int(rng.integers(1, 4)) for lid in lids}
-        slab = make_slab(engine, int(rng.integers(2, 10)), ratios)
-        held = {lid: [] for lid in lids}
-        for step in range(int(rng.integers(0, 40))):
-            lid = lids[int(rng.integers(0, len(lids)))]
-            pool = slab.pools[lid]
-            if rng.random() < 0.6 and pool.num_free:
-                b = pool.allocate_one()
-                held[lid].append(b)
-                if rng.random() < 0.5:
-                    pool.publish(b, bytes([trial % 256, step, b % 256]) * 8, np.array([b], np.int32))
-            elif held[lid]:
-                pool.free([held[lid].pop(int(rng.integers(0, len(held[lid]))))])
-        demand = {lid: int(rng.integers(0, 7)) for lid in lids}
-        taken = {}
-        for lid in lids:
-            cached = [b for b in slab.pools[lid].free_order() if slab.pools[lid].block_hash[b] is not None]
-            taken[lid] = cached[: int(rng.integers(0, 3))]
+        slab, lids, demand, taken = _random_demand(engine, rng, trial)
         fits = slab.shortfall(demand, taken) is None
-        trial_slab = copy.deepcopy(slab)
         try:
-            for lid in lids:
-                for b in taken[lid]:
-                    trial_slab.pools[lid].touch(b)
-            for lid in lids:
-                trial_slab.pools[lid].allocate(demand[lid])
+            _touch_then_draw(copy.deepcopy(slab), lids, demand, taken)
             drawn = True
         except CapacityError:
             drawn = False
-        assert fits == drawn, (trial, demand, ratios)
+        assert fits == drawn, (trial, demand, slab.ratios)
+
+
+def test_joint_peek_names_the_pages_the_draw_hands_out(engine):
+    """``Slab.peek(demand, taken)`` changes nothing and names, leaf by leaf, the pages touching the hit
+    pages and drawing in leaf order hands out (spec/manager.md §9.8: a hybrid manager posts a tier
+    load into them before anything is drawn); ``CapacityError`` exactly when the draw fails."""
+    import copy
+
+    rng = np.random.default_rng(12)
+    checked = 0
+    for trial in range(400):
+        slab, lids, demand, taken = _random_demand(engine, rng, trial)
+        before = _slab_state(slab)
+        try:
+            predicted = slab.peek(demand, taken)
+        except CapacityError:
+            predicted = None
+        assert _slab_state(slab) == before, trial
+        try:
+            got = _touch_then_draw(copy.deepcopy(slab), lids, demand, taken)
+        except CapacityError:
+            got = None
+        assert predicted == got, (trial, demand, taken)
+        checked += got is not None and any(demand.values())
+    assert checked > 50
 
 
 def test_emulated_cuda_slab_matches_the_cpu(emulated):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from kvspec import BlockCount, InsufficientBlocksError, KVCacheParams
 from kvspec._manager_types import LeafSpec
-from kvspec.conformance._harness import ManagerPair
+from kvspec.conformance._harness import ManagerPair, ManualConnector
 from kvspec.conformance.plugin import require
 
 FULL_SWA = {"full": LeafSpec.full(), "swa": LeafSpec.sliding_window(4)}
@@ -85,4 +85,46 @@ def test_the_full_leaf_grows_into_the_sliding_leafs_blocks(kv_backend, kv_oracle
         _step(p, "a", 1)
     assert len(_rows(p, "a")["full"]) == 9
     assert _count(p) == BlockCount(1, 13)
+    p.agree()
+
+
+class _BrokenLoad(ManualConnector):
+    """A ``ManualConnector`` whose ``load`` raises an unexpected exception while ``broken`` (a bug of
+    the connector, not ``KVLoadRefused`` / ``KVLoadFailed``)."""
+
+    broken = False
+
+    def load(self, block_ids, hashes, tokens, replica_idx: int = 0):
+        if self.broken:
+            raise RuntimeError("connector bug")
+        return super().load(block_ids, hashes, tokens, replica_idx)
+
+
+def test_a_connector_error_during_a_hybrid_load_changes_nothing(kv_backend, kv_oracle):
+    """spec/manager.md §9.8, §11.22: a tier hit of a full + sliding manager that also draws pages posts
+    its load into the pages the slab's joint peek predicts, before anything changes; an unexpected
+    exception of ``connector.load`` leaves every observable (rows, huge blocks, free order, metrics,
+    device bytes, the context) as it was, and the next ``alloc`` loads the whole hit."""
+    require(kv_backend, "manager", "prefix_caching", "sliding_window", "tiers")
+    conns = (_BrokenLoad(), _BrokenLoad())
+    params = KVCacheParams(page_size=2, num_layers=1, kv_heads=1, head_dim=2, dtype="float32", leaves=FULL_SWA)
+    p = ManagerPair(kv_backend, kv_oracle, params, connectors=conns, num_blocks=12, max_batch_size=4, max_seq_len=16)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    p.new("a", prompt)
+    p.ok("manager.claim(ctx_a)", lambda m, cs: m.claim(cs["a"]))
+    p.forward("a", token=0, seed=21)
+    p.ok("manager.poll_transfers()  # posts the offload", lambda m, cs: m.poll_transfers())
+    p.ok("manager.release(ctx_a)", lambda m, cs: m.release(cs["a"]))
+    p.ok("manager.reset_prefix_cache()", lambda m, cs: m.reset_prefix_cache())
+    p.new("b", prompt)
+    p.ok("manager.claim(ctx_b)", lambda m, cs: m.claim(cs["b"]))
+    for c in conns:
+        c.broken = True
+    p.raises("manager.alloc(ctx_b)  # connector.load raises", lambda m, cs: m.alloc(cs["b"]), RuntimeError)
+    assert _rows(p, "b") == {"full": [], "swa": []}, "the failed alloc kept pages"
+    for c in conns:
+        c.broken = False
+    p.ok("manager.alloc(ctx_b).synchronize()", lambda m, cs: m.alloc(cs["b"]).synchronize())
+    p.ok("manager.poll_transfers()  # lands the load", lambda m, cs: m.poll_transfers())
+    assert p.ctx_sut["b"].cached_prefix_external_length == 8, "the next alloc loads the whole hit from the tier"
     p.agree()
