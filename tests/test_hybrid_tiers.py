@@ -467,6 +467,38 @@ def test_an_unexpected_load_error_leaves_everything_as_it_was(pkg, config):
     m.shutdown()
 
 
+@PKGS
+@CONFIGS
+def test_peer_copies_and_a_tier_load_in_one_admission(pkg, config):
+    """spec/manager.md §7.3, §9.8: replica 0 holds PROMPT's first 4 blocks on the device, replica 1's
+    tier holds all 8. Admitting PROMPT on replica 1 copies the peer-held part into the first pages the
+    sizing draws (the slots of the peer copies) and loads the rest from the tier into the pages after
+    them, all predicted before anything is drawn: every leaf's hit bytes are the model's."""
+    m = manager(pkg, config, kvref.TieredConnector(host_bytes=64 * 64), num_blocks=40,
+                data_parallel_degree=2)
+    serve(m, TextContext("prime", PROMPT), replica=1)
+    settle_manager(m)
+    flush(m, replica=1)
+    serve(m, TextContext("short", PROMPT[:17]), replica=0)
+    settle_manager(m)
+    # replica 1: 4 blocks on the peer's device (spec/manager.md §7.3 counts them as device blocks), 4 more
+    # in its own tier
+    assert m.get_prefix_cache_hit_counts(TextContext("x", PROMPT))[1] == PrefixCacheHits(4, 4)
+    ctx = TextContext("b", PROMPT)
+    m.claim(ctx, 1)
+    m.alloc(ctx).synchronize()
+    m.poll_transfers()
+    assert (ctx.cached_prefix_length, ctx.cached_prefix_external_length) == (32, 16)
+    assert m.get_metrics_aggregated().cross_replica_blocks_copied > 0
+    check_hit_bytes(m, ctx, replica=1)
+    m.check_invariants()
+    forward(m, ctx, replica=1)
+    m.release(ctx)
+    settle_manager(m)
+    m.check_invariants()
+    m.shutdown()
+
+
 def test_leaf_unit_store_maps_units_to_page_bytes():
     """spec/tiers.md §12: unit ids, bytes and zero padding of a multi-unit page; a unit write
     patches only its slice of the page."""
