@@ -547,7 +547,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                 max_cache_length=reach if max_cache_length is None else max_cache_length,
             ) for r, (batch, _, rows, widths, lengths, longest, reach) in enumerate(per)))
         out = []
-        states, strides = set(self._state_ids), self._page_strides
+        states = set(self._state_ids)
         for r, (batch, reqs, rows, widths, lengths, longest, reach) in enumerate(per):
             lengths = eng.to_device(np.array(lengths, dtype=np.uint32))
             if max_cache_length is not None:
@@ -560,20 +560,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                     lut = eng.lookup_table([q.rows[lid] for q in reqs], ones, _LUT_ALIGN)
                 else:
                     lut = eng.lookup_table(rows if lid == leaf else [q.rows[lid] for q in reqs], widths, cols)
-                lut = eng.to_device(lut)
-                scales = self._scales[r].get(lid)  # spec/manager.md §16.3: all three scale fields, or none
-                by_leaf[lid] = KVCacheInputsPerDevice(
-                    kv_blocks=self._buffers[r][lid],
-                    lookup_table=lut,
-                    cache_lengths=lengths,
-                    max_prompt_length=longest,
-                    max_cache_length=reach,
-                    kv_scales=scales,
-                    scales_page_stride=(None if scales is None else
-                                        eng.to_device(np.array([self._scales_stride], np.int64))),
-                    scales_lookup_table=None if scales is None else lut,
-                    page_stride=None if lid not in strides else eng.to_device(strides[lid]),
-                )
+                by_leaf[lid] = self._leaf_inputs(r, lid, eng.to_device(lut), lengths, longest, reach)
             out.append(by_leaf)
         if len(self._leaves) == 1:  # one leaf: its inputs, as the policy returns
             (lid,) = self._leaf

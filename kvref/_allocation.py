@@ -432,14 +432,7 @@ class Allocation:
         TypeError, IndexError, ValueError
             As ``claim``. State is unchanged.
         """
-        op = "alloc_dummy"
-        self._check_open(op)
-        self._ctx(op, ctx)
-        r = self._replica(op, replica_idx)
-        old = self._requests.get(ctx.request_id)
-        if old is not None:
-            raise ValueError(f"alloc_dummy: request_id={ctx.request_id!r} is already claimed, on replica {old.replica}")
-        self._check_len(op, ctx)
+        r = self._check_claimable("alloc_dummy", ctx, replica_idx)
         req = _Request(ctx=ctx, replica=r, rows={leaf.leaf_id: [] for leaf in self._leaves}, dummy=True)
         self._size_dummy(req)
         self._requests[ctx.request_id] = req

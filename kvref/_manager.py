@@ -483,15 +483,20 @@ class PagedKVCacheManager(PrefixHits, Allocation, Commit, Transfers, RuntimeInpu
             Already claimed (on any replica), or ``len(ctx) > max_seq_len``.
             State is unchanged.
         """
-        op = "claim"
+        r = self._check_claimable("claim", ctx, replica_idx)
+        self._requests[ctx.request_id] = self._new_request(ctx, r)
+
+    def _check_claimable(self, op: str, ctx: TextContext, replica_idx) -> int:
+        """The checks of ``claim`` and ``alloc_dummy`` (spec/manager.md §2): open, a context, a replica
+        index, not claimed on any replica, within ``max_seq_len``; returns the replica."""
         self._check_open(op)
         self._ctx(op, ctx)
         r = self._replica(op, replica_idx)
         old = self._requests.get(ctx.request_id)
         if old is not None:
-            raise ValueError(f"claim: request_id={ctx.request_id!r} is already claimed, on replica {old.replica}")
+            raise ValueError(f"{op}: request_id={ctx.request_id!r} is already claimed, on replica {old.replica}")
         self._check_len(op, ctx)
-        self._requests[ctx.request_id] = self._new_request(ctx, r)
+        return r
 
     def _new_request(self, ctx: TextContext, r: int) -> _Request:
         """A claimed request's state: empty rows on replica ``r``."""

@@ -167,21 +167,27 @@ class RuntimeInputs:
                 leaf = self._leaf[lid]  # spec/manager.md §8: the leaf says what its column holds
                 lut = eng.to_device(eng.lookup_table([q.rows[lid] for q in reqs], leaf.table_widths(widths),
                                                      leaf.table_columns(cols)))
-                scales = self._scales[r].get(lid)  # spec/manager.md §16: all three scale fields, or none
-                per[lid] = KVCacheInputsPerDevice(
-                    kv_blocks=self._buffers[r][lid],  # None in bookkeeping-only mode (spec/manager.md §8)
-                    lookup_table=lut,
-                    cache_lengths=lengths,
-                    max_prompt_length=longest,
-                    max_cache_length=bound,
-                    kv_scales=scales,
-                    scales_page_stride=(None if scales is None else
-                                        eng.to_device(np.array([self._scales_stride], np.int64))),
-                    scales_lookup_table=None if scales is None else lut,
-                    page_stride=None if lid not in self._page_strides else eng.to_device(self._page_strides[lid]),
-                )
+                per[lid] = self._leaf_inputs(r, lid, lut, lengths, longest, bound)
             out.append(per)
         return out
+
+    def _leaf_inputs(self, r: int, lid: str, lut, lengths, longest: int, reach: int) -> KVCacheInputsPerDevice:
+        """Leaf ``lid``'s inputs on replica ``r`` from its lookup table and the batch's lengths and
+        extents (device arrays): its buffer (None in bookkeeping-only mode, spec/manager.md §8), with
+        FP8 all three scale fields (spec/manager.md §16.3), with a padded page its page stride."""
+        eng = self._engine
+        scales = self._scales[r].get(lid)
+        return KVCacheInputsPerDevice(
+            kv_blocks=self._buffers[r][lid],
+            lookup_table=lut,
+            cache_lengths=lengths,
+            max_prompt_length=longest,
+            max_cache_length=reach,
+            kv_scales=scales,
+            scales_page_stride=None if scales is None else eng.to_device(np.array([self._scales_stride], np.int64)),
+            scales_lookup_table=None if scales is None else lut,
+            page_stride=None if lid not in self._page_strides else eng.to_device(self._page_strides[lid]),
+        )
 
     def _batch_extents(self, batch) -> tuple[list[int], int, int]:
         """spec/manager.md §8, §15.7: each context's ``cache_lengths`` entry, the batch's
