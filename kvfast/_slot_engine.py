@@ -448,21 +448,15 @@ class CudaSlotEngine(FastSlotEngine):
         return -1
 
     def gather_kv_fp8(self, K, V, Ks, Vs, slot: int, n: int, block_row, block_size: int, unit: int):
+        """One ``fp8_gather_kernel`` launch: decode and scale on the device (spec/slot-cache.md §10.3)."""
+        from ._cuda.append_kv_fp8 import gather_kv_fp8 as launch
+
         cp = self._cp
-        k, v = self.gather_kv(K, V, slot, n, block_row, block_size)
-        upb = -(-K.shape[1] // unit)
-        H = K.shape[2]
         with cp.cuda.Device(self._dev):
-            # each position's scale unit, computed on the device (no copy of the block row to the host)
-            pos = cp.arange(n, dtype=cp.int64)
-            if block_row is None:
-                u = slot * upb + pos // unit
-            else:
-                u = cp.asarray(block_row).astype(cp.int64)[pos // block_size] * upb + (pos % block_size) // unit
-            lut = self._fp8_table(self.fp8_dtype)
-            ks = Ks.reshape(-1, H)[u][:, :, None]
-            vs = Vs.reshape(-1, H)[u][:, :, None]
-            return lut[k.astype(cp.int64)] * ks, lut[v.astype(cp.int64)] * vs
+            bs, block_stride, row_stride = self._geometry(K)
+            row = cp.asarray([slot], cp.int32) if block_row is None else cp.asarray(block_row)
+            return launch(K, V, Ks, Vs, row, n, fp8=self.fp8_dtype, block_size=bs, block_stride=block_stride,
+                          row_stride=row_stride, unit_tokens=unit, kv_heads=K.shape[2], head_dim=K.shape[3])
 
     def zero_rows(self, buffers, slot: int) -> None:
         from ._cuda.state import state_zero_rows

@@ -154,3 +154,17 @@ def test_cuda_page_store_round_trip():  # pragma: no cover - needs a GPU
     from test_kvfast_cuda_emulated import test_cuda_page_store
 
     test_cuda_page_store(cp)
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("head_dim", [16, 5])
+def test_cuda_fp8_gather_decodes_every_bit_pattern(name, head_dim):  # pragma: no cover - needs a GPU
+    from test_slot_fp8 import test_the_dequantising_gather_kernel_decodes_every_bit_pattern as body
+
+    body(cp, name, head_dim)
+
+
+def test_cuda_fp8_slot_cache_stores_the_reference_bytes_and_attends_exactly():  # pragma: no cover - needs a GPU
+    from test_slot_fp8 import test_emulated_cuda_stores_the_reference_bytes_and_attends_exactly as body
+
+    body(cp)

@@ -539,3 +539,66 @@ def test_fp8_differential_machine_on_cpu_and_emulated_cuda(emulated):
     backend = conformance_backend()
     run_state_machine_as_test(KVCacheFP8Comparison.for_backend(backend), settings=quick)
     run_state_machine_as_test(KVCacheFP8Comparison.for_backend(backend.on_device("cuda:0")), settings=quick)
+
+
+@pytest.mark.parametrize("name", FP8)
+@pytest.mark.parametrize("head_dim", [16, 5])  # 16: the 16-byte load path; 5: the scalar tail only
+def test_the_dequantising_gather_kernel_decodes_every_bit_pattern(emulated, name, head_dim):
+    """``fp8_gather_kernel`` (``kernels/append_kv_fp8.cu``, one launch) on the emulated device: every
+    one of the 256 FP8 bit patterns, NaN and (e5m2) infinities included, decoded and times its
+    unit-head's scale (spec/slot-cache.md §10.3), through a paged block row and a contiguous slot,
+    bit for bit the reference decode table times the scale."""
+    from kvfast._cuda.append_kv_fp8 import gather_kv_fp8
+
+    cp = emulated
+    rng = np.random.default_rng(head_dim)
+    heads, bs, unit = 2, 4, 2  # two scale units per block
+    blocks = 2 * (-(-256 // (2 * bs * heads * head_dim)) + 2)  # every pattern; even (two blocks per slot below)
+    bits = np.resize(rng.permutation(256).astype(np.uint8), (blocks, bs, heads, head_dim))
+    vbits = bits[::-1].copy()
+    upb = bs // unit
+    ks = (2.0 ** rng.integers(-20, 20, size=(blocks * upb, heads))).astype(np.float32)
+    vs = (2.0 ** rng.integers(-20, 20, size=(blocks * upb, heads))).astype(np.float32)
+    table = fp8_decode_table(name)
+    row = rng.permutation(np.arange(1, blocks)).astype(np.int32)
+    n = len(row) * bs - 1
+    pos = np.arange(n)
+    blk, r = row[pos // bs].astype(np.int64), pos % bs
+    u = blk * upb + r // unit
+    want_k = table[bits[blk, r]] * ks[u][:, :, None]
+    want_v = table[vbits[blk, r]] * vs[u][:, :, None]
+    row_elems = heads * head_dim
+    got_k, got_v = gather_kv_fp8(cp.asarray(bits), cp.asarray(vbits), cp.asarray(ks), cp.asarray(vs),
+                                 cp.asarray(row), n, fp8=name, block_size=bs, block_stride=bs * row_elems,
+                                 row_stride=row_elems, unit_tokens=unit, kv_heads=heads, head_dim=head_dim)
+    assert got_k.dtype == np.float32 and got_k.shape == (n, heads, head_dim)
+    np.testing.assert_array_equal(host(got_k), want_k)  # (NaN compares equal to NaN here)
+    np.testing.assert_array_equal(host(got_v), want_v)
+    # contiguous storage: slot s is one "block" of max_seq_len positions, table row [s]
+    slot, msl = 2, bs * 2
+    cont = bits.reshape(-1, msl, heads, head_dim)
+    cks = ks.reshape(cont.shape[0], -1, heads)
+    got_k, _ = gather_kv_fp8(cp.asarray(cont), cp.asarray(cont), cp.asarray(cks), cp.asarray(cks),
+                             cp.asarray(np.array([slot], np.int32)), msl, fp8=name, block_size=msl,
+                             block_stride=msl * row_elems, row_stride=row_elems, unit_tokens=unit, kv_heads=heads,
+                             head_dim=head_dim)
+    want = table[cont[slot]] * cks[slot][np.arange(msl) // unit][:, :, None]
+    np.testing.assert_array_equal(host(got_k), want)
+
+
+def test_the_gather_launcher_validates_its_arguments(emulated):
+    from kvfast._cuda.append_kv_fp8 import gather_kv_fp8
+
+    cp = emulated
+    K = cp.zeros((2, 4, 1, 16), cp.uint8)
+    S = cp.zeros((2, 1), cp.float32)
+    row = cp.asarray(np.array([1], np.int32))
+    kw = dict(block_size=4, block_stride=64, row_stride=16, unit_tokens=4, kv_heads=1, head_dim=16)
+    with pytest.raises(ValueError, match=r"gather_kv_fp8: fp8='float8_e4m3'"):
+        gather_kv_fp8(K, K, S, S, row, 3, fp8="float8_e4m3", **kw)
+    with pytest.raises(ValueError, match=r"gather_kv_fp8: cache dtype=float32, must be uint8"):
+        gather_kv_fp8(S, S, S, S, row, 3, fp8="float8_e5m2", **kw)
+    with pytest.raises(ValueError, match=r"gather_kv_fp8: scale dtype=uint8, must be float32"):
+        gather_kv_fp8(K, K, K, K, row, 3, fp8="float8_e5m2", **kw)
+    k, v = gather_kv_fp8(K, K, S, S, row, 0, fp8="float8_e5m2", **kw)
+    assert k.shape == v.shape == (0, 1, 16)

@@ -12,7 +12,7 @@ KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 #: ``.cu`` file -> kernel base names (each instantiated as ``<name>_u8/_u16/_u32``).
 KERNELS: dict[str, tuple[str, ...]] = {
     "append_kv.cu": ("append_kv_kernel",),
-    "append_kv_fp8.cu": ("fp8_scale_kernel", "fp8_requant_kernel", "fp8_append_kernel"),
+    "append_kv_fp8.cu": ("fp8_scale_kernel", "fp8_requant_kernel", "fp8_append_kernel", "fp8_gather_kernel"),
     "gather_kv.cu": ("gather_kv_kernel",),
     "copy_blocks.cu": ("copy_blocks_kernel",),
     "stage.cu": ("stage_gather_kernel", "stage_scatter_kernel"),

@@ -1,10 +1,11 @@
-"""Launcher of the quantising append (``kernels/append_kv_fp8.cu``, ``spec/slot-cache.md`` §10)."""
+"""Launchers of ``kernels/append_kv_fp8.cu`` (``spec/slot-cache.md`` §10): the quantising append and
+the dequantising gather of an FP8 cache."""
 
 from __future__ import annotations
 
 from ._module import check_rows, cupy, get_kernel, launch_1d_rows
 
-__all__ = ["FP8_FORMAT", "append_kv_fp8"]
+__all__ = ["FP8_FORMAT", "append_kv_fp8", "gather_kv_fp8"]
 
 #: FP8 storage dtype name -> the kernels' ``fp8_format`` code.
 FP8_FORMAT = {"float8_e4m3fn": 0, "float8_e5m2": 1}
@@ -73,7 +74,7 @@ def append_kv_fp8(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, 
     dev = k_cache.device.id
     I = cp.int64
     fmt, in_fmt = I(FP8_FORMAT[fp8]), I(1 if bfloat16_input else 0)
-    ks, vs = _unit_rows(k_scale, kv_heads), _unit_rows(v_scale, kv_heads)
+    ks, vs = _unit_rows("append_kv_fp8", k_scale, kv_heads), _unit_rows("append_kv_fp8", v_scale, kv_heads)
     if ks.shape != vs.shape or ks.strides != vs.strides:
         raise ValueError(f"append_kv_fp8: k_scale rows {ks.shape}/{ks.strides} != v_scale rows {vs.shape}/{vs.strides}")
     num_units, scale_stride = int(ks.shape[0]), I(ks.strides[0] // 4)
@@ -104,11 +105,54 @@ def append_kv_fp8(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, 
     )
 
 
-def _unit_rows(scale, kv_heads: int):
+def _unit_rows(op: str, scale, kv_heads: int):
     """``scale`` as ``[num_units, kv_heads]`` with contiguous heads (a view, never a copy)."""
     if scale.ndim == 2 and scale.shape[1] == kv_heads and scale.strides[1] == 4 and scale.strides[0] % 4 == 0:
         return scale
     if not scale.flags.c_contiguous or scale.size % kv_heads:
-        raise ValueError(f"append_kv_fp8: scale shape={scale.shape} strides={scale.strides}, must be C-contiguous "
+        raise ValueError(f"{op}: scale shape={scale.shape} strides={scale.strides}, must be C-contiguous "
                          f"or [num_units, {kv_heads}] rows with contiguous heads")
     return scale.reshape(-1, kv_heads)
+
+
+def gather_kv_fp8(k_cache, v_cache, k_scale, v_scale, block_row, seq_len: int, *, fp8: str, block_size: int,
+                  block_stride: int, row_stride: int, unit_tokens: int, kv_heads: int, head_dim: int,
+                  threads: int | None = None):
+    """Dense dequantised ``(K, V)``, each float32 ``[seq_len, kv_heads, head_dim]``, of one slot:
+    every position's FP8 value times its unit-head's scale (spec/slot-cache.md §10.3), one launch.
+
+    Parameters
+    ----------
+    k_cache, v_cache : cupy.ndarray uint8
+        FP8 bit patterns, the geometry of :func:`append_kv_fp8`.
+    k_scale, v_scale : cupy.ndarray float32
+        The scales, as :func:`append_kv_fp8` takes them.
+    block_row : cupy.ndarray int32 [max_blocks_per_seq]
+        The slot's block-table row (contiguous storage: ``[slot]`` with ``block_size =
+        max_seq_len``).
+    seq_len : int
+        Positions to gather.
+    """
+    cp = cupy()
+    k_out = cp.empty((seq_len, kv_heads, head_dim), dtype=cp.float32)
+    v_out = cp.empty_like(k_out)
+    if seq_len == 0:
+        return k_out, v_out
+    if fp8 not in FP8_FORMAT:
+        raise ValueError(f"gather_kv_fp8: fp8={fp8!r}, must be one of {sorted(FP8_FORMAT)}")
+    if k_cache.dtype != cp.uint8 or v_cache.dtype != cp.uint8:
+        raise ValueError(f"gather_kv_fp8: cache dtype={k_cache.dtype}, must be uint8 (FP8 bit patterns)")
+    if k_scale.dtype != cp.float32 or v_scale.dtype != cp.float32:
+        raise ValueError(f"gather_kv_fp8: scale dtype={k_scale.dtype}, must be float32")
+    ks, vs = _unit_rows("gather_kv_fp8", k_scale, kv_heads), _unit_rows("gather_kv_fp8", v_scale, kv_heads)
+    if ks.shape != vs.shape or ks.strides != vs.strides:
+        raise ValueError(f"gather_kv_fp8: k_scale rows {ks.shape}/{ks.strides} != v_scale rows {vs.shape}/{vs.strides}")
+    I = cp.int64
+    threads = threads or launch_1d_rows(kv_heads * head_dim)
+    get_kernel("append_kv_fp8.cu", "fp8_gather_kernel", 1, k_cache.device.id)(
+        (seq_len,), (threads,),
+        (k_cache, v_cache, ks, vs, cp.ascontiguousarray(block_row, dtype=cp.int32), k_out, v_out, I(seq_len),
+         I(kv_heads), I(head_dim), I(block_size), I(-(-block_size // unit_tokens)), I(unit_tokens),
+         I(block_stride), I(row_stride), I(ks.strides[0] // 4), I(FP8_FORMAT[fp8])),
+    )
+    return k_out, v_out

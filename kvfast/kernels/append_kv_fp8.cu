@@ -29,20 +29,29 @@
 //   slot_mapping      int64 [num_tokens]; slot < 0 is a padding token and is skipped.
 //   fp8_format        0: float8_e4m3fn (max 448), 1: float8_e5m2 (max 57344)
 //
-// Kernels: fp8_scale_kernel, fp8_requant_kernel, fp8_append_kernel, each as
-// entry points <name>_u8 / _u16 / _u32 by input element size (the requant
-// kernel reads no input and is the same code under every suffix):
+//   block_row         int32 [max_blocks_per_seq] (fp8_gather_kernel): the slot's block-table row
+//                     (contiguous: [slot], block_size = max_seq_len)
+//   k_out, v_out      float32 [seq_len, kv_heads, head_dim], contiguous (fp8_gather_kernel)
+//
+// Kernels: fp8_scale_kernel, fp8_requant_kernel, fp8_append_kernel, fp8_gather_kernel, each as
+// entry points <name>_u8 / _u16 / _u32 by input element size (the requant and gather
+// kernels read no input rows and are the same code under every suffix):
 //   fp8_scale_kernel:   per token, per (K/V, head): the power-of-two scale its values need;
 //                       atomicMax into k_next / v_next (non-negative floats order as their bits).
 //   fp8_requant_kernel: per unit, per (K/V, head): when next > scale, re-quantise the unit's
 //                       stored values (scale 0: never written, zero them), then scale = next.
 //   fp8_append_kernel:  per token: quantise the row with its unit's scale and store it,
 //                       16 FP8 values per 16-byte uint4 store, scalar tail.
+//   fp8_gather_kernel:  per position of one slot: its K and V rows dequantised (the FP8 value
+//                       times its unit-head's scale, float32: spec/slot-cache.md §10.3),
+//                       16 FP8 values per 16-byte uint4 load, scalar tail.
 // Launch:  the three kernels in this order on one stream.
 //          fp8_scale_kernel   grid (num_tokens), block (32);
 //          fp8_requant_kernel grid (num_units = rows of k_scale), block (32);
 //          fp8_append_kernel  grid (num_tokens), block (min(ceil(row_elems / 16), 256)
 //                             rounded up to a warp); one CTA per token.
+//          fp8_gather_kernel  on its own: grid (seq_len), block as fp8_append_kernel; one CTA
+//                             per position.
 #include "common.cuh"
 
 // ---------------------------------------------------------------------------- bit casts
@@ -262,6 +271,46 @@ __device__ __forceinline__ void fp8_append_impl(
   }
 }
 
+__device__ __forceinline__ void fp8_gather_impl(
+    const u8* __restrict__ k_cache,       // [num_blocks, block_size, kv_heads, head_dim]
+    const u8* __restrict__ v_cache,       // [num_blocks, block_size, kv_heads, head_dim]
+    const float* __restrict__ k_scale,    // [num_units, kv_heads], rows scale_stride apart
+    const float* __restrict__ v_scale,    // [num_units, kv_heads], rows scale_stride apart
+    const int* __restrict__ block_row,    // [max_blocks_per_seq]
+    float* __restrict__ k_out,            // [seq_len, kv_heads, head_dim]
+    float* __restrict__ v_out,            // [seq_len, kv_heads, head_dim]
+    i64 seq_len, i64 kv_heads, i64 head_dim, i64 block_size, i64 units_per_block, i64 unit_tokens,
+    i64 block_stride, i64 row_stride, i64 scale_stride, i64 fp8_format) {
+  const i64 pos = blockIdx.x;
+  if (pos >= seq_len) return;
+  const i64 blk = block_row[pos / block_size];
+  const i64 r = pos % block_size;
+  const i64 unit = blk * units_per_block + r / unit_tokens;
+  const i64 src = blk * block_stride + r * row_stride;
+  const i64 n = kv_heads * head_dim;
+  for (int kv = 0; kv < 2; ++kv) {
+    const u8* in = (kv ? v_cache : k_cache) + src;
+    float* out = (kv ? v_out : k_out) + pos * n;
+    const float* scale = (kv ? v_scale : k_scale) + unit * scale_stride;
+    i64 done = 0;
+    if ((reinterpret_cast<unsigned long long>(in) & 15ull) == 0) {
+      const i64 n_vec = n / 16;
+      const uint4* __restrict__ in4 = reinterpret_cast<const uint4*>(in);
+      for (i64 i = threadIdx.x; i < n_vec; i += blockDim.x) {
+        const uint4 w = in4[i];  // one 16-byte load
+        const u32 word[4] = {w.x, w.y, w.z, w.w};
+        for (int j = 0; j < 16; ++j) {
+          const i64 e = i * 16 + j;
+          out[e] = fp8_decode((word[j >> 2] >> (8 * (j & 3))) & 0xFFu, fp8_format) * scale[e / head_dim];
+        }
+      }
+      done = n_vec * 16;
+    }
+    for (i64 e = done + threadIdx.x; e < n; e += blockDim.x)  // scalar tail
+      out[e] = fp8_decode(in[e], fp8_format) * scale[e / head_dim];
+  }
+}
+
 #define FP8_ENTRIES(T)                                                                          \
   extern "C" __global__ void fp8_scale_kernel_##T(                                              \
       const T* __restrict__ key, const T* __restrict__ value, u32* __restrict__ k_next,         \
@@ -293,6 +342,16 @@ __device__ __forceinline__ void fp8_append_impl(
                        num_tokens, kv_heads, head_dim, key_stride, value_stride, in_format,     \
                        fp8_format, block_size, units_per_block, unit_tokens, block_stride,      \
                        row_stride, scale_stride);                                               \
+  }                                                                                             \
+  extern "C" __global__ void fp8_gather_kernel_##T(                                             \
+      const u8* __restrict__ k_cache, const u8* __restrict__ v_cache,                           \
+      const float* __restrict__ k_scale, const float* __restrict__ v_scale,                     \
+      const int* __restrict__ block_row, float* __restrict__ k_out, float* __restrict__ v_out,  \
+      i64 seq_len, i64 kv_heads, i64 head_dim, i64 block_size, i64 units_per_block,             \
+      i64 unit_tokens, i64 block_stride, i64 row_stride, i64 scale_stride, i64 fp8_format) {    \
+    fp8_gather_impl(k_cache, v_cache, k_scale, v_scale, block_row, k_out, v_out, seq_len,       \
+                    kv_heads, head_dim, block_size, units_per_block, unit_tokens, block_stride, \
+                    row_stride, scale_stride, fp8_format);                                      \
   }
 
 FP8_ENTRIES(u8)
