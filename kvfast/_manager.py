@@ -418,28 +418,26 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             self._offload_queue[req.replica].append((hashes[lo:stop], toks))
 
     def _step_leaves(self, ctx: TextContext) -> None:
-        """``step`` with several leaves: a step that fills no page, checkpoints no state and slides
-        no window only counts the forward (spec/manager.md §5); any other goes to the policy."""
+        """``step`` with several leaves: a step of a ``settled`` request (spec/manager.md §2) that fills
+        no page, checkpoints no state and slides no window only counts the forward (spec/manager.md §5);
+        any other goes to the policy (which raises, adopts a replacement, polls a load, clears the
+        admission's flags or commits)."""
         req = self._requests.get(ctx.request_id)
-        if req is None or req.ctx is not ctx or req.dummy or req.load is not None:
-            return super().step(ctx)  # raises, adopts a replacement, or a load of its own (spec/manager.md §9.6)
-        page = self._page
-        processed = ctx._processed
-        if processed > len(req.rows[self._anchor_id]) * page:
-            return super().step(ctx)  # raises ValueError
-        filled = processed // page
-        if self._caching:
-            if min(filled, (ctx._length - 1) // page) > req.committed:
-                return super().step(ctx)  # spec/manager.md §5.1: a page filled, publish it
-            if self._state_ids and processed and not processed % page:
-                return super().step(ctx)  # spec/manager.md §5.2: a page boundary, checkpoint the state
-        nulled = req.nulled
-        for lid, window in self._windows:
-            if filled - window > nulled.get(lid, 0):
-                return super().step(ctx)  # spec/manager.md §5.3: blocks left the window, free them
-        req.step_gen += 1
-        if req.ext_point or req.lookup is not None or req.lookup_pending:
-            req.ext_point, req.lookup, req.lookup_pending = False, None, False
+        if req is not None and req.ctx is ctx and req.settled:
+            page = self._page
+            processed = ctx._processed
+            filled = processed // page
+            if processed <= len(req.rows[self._anchor_id]) * page and (not self._caching or (
+                    min(filled, (ctx._length - 1) // page) <= req.committed  # spec/manager.md §5.1: nothing to publish
+                    and (not self._state_ids or not processed or processed % page))):  # spec/manager.md §5.2
+                nulled = req.nulled
+                for lid, window in self._windows:
+                    if filled - window > nulled.get(lid, 0):
+                        break  # spec/manager.md §5.3: blocks left the window, the policy frees them
+                else:
+                    req.step_gen += 1
+                    return
+        return super().step(ctx)
 
     def _fill_one(self, req, ctx: TextContext, row: list[int], i: int) -> None:
         """Hash and publish row block ``i`` (a decode step just filled it; blocks before are committed)."""
