@@ -48,7 +48,7 @@ from kvspec._manager_types import (
     LeafKind,
     TextContext,
 )
-from kvspec.errors import InsufficientBlocksError
+from kvspec.errors import InsufficientBlocksError, insufficient_blocks_message
 
 import kvref
 
@@ -309,10 +309,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         if need > free:
             if self._offloads:
                 return super().alloc(ctx)  # spec/manager.md §4 step 6: the policy may wait for them
-            raise InsufficientBlocksError(
-                f"alloc: request_id={ctx.request_id!r} needs {need} blocks of leaf {leaf_id!r}, "
-                f"{free} free or evictable on replica {r}"
-            )
+            raise InsufficientBlocksError(insufficient_blocks_message(op, ctx.request_id, need, leaf_id, free, r))
         # spec/manager.md §9.3: the external stage (the connector in use, a fresh splice, blocks
         # past the hit): one lookup; a load goes to the policy with the answer held (spec/manager.md §9.4), so
         # the connector is asked once.

@@ -17,7 +17,7 @@ from kvspec._manager_types import (
     TextContext,
 )
 from kvspec.engine import NULL_BLOCK
-from kvspec.errors import InsufficientBlocksError, KVLoadFailed, KVLoadRefused
+from kvspec.errors import InsufficientBlocksError, KVLoadFailed, KVLoadRefused, insufficient_blocks_message
 
 from ._leaves import Leaf
 from ._request import _AllocPlan, _Load, _Request
@@ -155,8 +155,7 @@ class Allocation:
         short = self._slabs[r].shortfall(need, taken)
         if short is not None:
             lid, n, free = short
-            message = (f"alloc: request_id={ctx.request_id!r} needs {n} blocks of leaf {lid!r}, "
-                       f"{free} free or evictable on replica {r}")
+            message = insufficient_blocks_message("alloc", ctx.request_id, n, lid, free, r)
             # spec/manager.md §4 step 6: which huge blocks the offloads' pages would park is known only
             # once they land, so with a slab any page only in-flight offloads hold is worth the wait.
             if self._offloads and any(self._offload_only_pages(r, leaf.leaf_id).difference((taken or {}).get(
@@ -442,11 +441,9 @@ class Allocation:
         held only by in-flight offloads (not by a row, a load or the hit in ``taken``) count as
         evictable: when they close the gap, ``_AwaitOffloads`` makes ``alloc`` wait for those
         offloads and size again; otherwise ``InsufficientBlocksError``, nothing changed."""
-        message = (f"alloc: request_id={ctx.request_id!r} needs {n} blocks of leaf {lid!r}, "
-                   "{} free or evictable on replica " f"{r}")
         if self._offloads and lid == self._conn_leaf:
             extra = len(self._offload_only_pages(r, lid).difference(taken))
             if extra and n <= free + extra:
-                raise _AwaitOffloads(r, message.format(free))
+                raise _AwaitOffloads(r, insufficient_blocks_message("alloc", ctx.request_id, n, lid, free, r))
             free += extra
-        raise InsufficientBlocksError(message.format(free))
+        raise InsufficientBlocksError(insufficient_blocks_message("alloc", ctx.request_id, n, lid, free, r))

@@ -14,6 +14,7 @@ __all__ = [
     "InsufficientBlocksError",
     "KVLoadRefused",
     "KVLoadFailed",
+    "insufficient_blocks_message",
 ]
 
 
@@ -27,6 +28,13 @@ class InsufficientBlocksError(CapacityError):
     A scheduler treats it as "preempt or requeue", not as a bug: ``alloc``
     raised it after rolling back everything it had done.
     """
+
+
+def insufficient_blocks_message(op: str, request_id: str, needed: int, leaf_id: str, free: int, replica: int) -> str:
+    """The message of the request manager's ``InsufficientBlocksError`` (spec/manager.md §4 step 6):
+    the call, the request, the pages its leaf needs and those it can still draw on its replica."""
+    return (f"{op}: request_id={request_id!r} needs {needed} blocks of leaf {leaf_id!r}, "
+            f"{free} free or evictable on replica {replica}")
 
 
 class KVLoadRefused(Exception):
