@@ -261,7 +261,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         op = "alloc"
         # spec/manager.md §4.1: every argument is checked before the stored context may be replaced.
         if not isinstance(defer_lookup, bool):
-            raise TypeError(f"alloc: defer_lookup={defer_lookup!r}, must be a bool")
+            return super().alloc(ctx, defer_lookup=defer_lookup)  # raises TypeError
         req = self._requests.get(ctx.request_id) if type(ctx) is TextContext else None
         if req is None or req.ctx is not ctx:
             req = self._req(op, ctx)  # raises, or adopts a replacement context (spec/manager.md §2.3)
@@ -373,10 +373,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         page = self._page
         processed = ctx._processed
         if processed > len(row) * page:
-            raise ValueError(
-                f"step: processed_length={processed} > {len(row) * page} tokens in the allocated rows; "
-                "alloc must be called before the forward"
-            )
+            return super().step(ctx)  # raises ValueError: alloc must be called before the forward
         req.step_gen += 1
         if req.ext_point or req.lookup is not None or req.lookup_pending:
             req.ext_point, req.lookup, req.lookup_pending = False, None, False
