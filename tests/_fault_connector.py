@@ -27,10 +27,45 @@ import numpy as np
 from kvspec import CompletedTransfer, KVCacheMetrics, TextContext
 from kvspec.errors import KVLoadFailed, KVLoadRefused
 
-__all__ = ["FaultConnector", "GatedTransfer", "kv_values", "write_forward", "LOAD_FAULTS"]
+__all__ = ["FaultConnector", "GatedTransfer", "kv_values", "write_forward", "LOAD_FAULTS", "CONNECTOR_BUG",
+           "ConnectorBug", "manager_state", "request_state"]
 
-#: What ``FaultConnector.arm`` can make the next load do.
+#: What ``FaultConnector.arm`` can make the next load do (each a miss or a failure the manager handles).
 LOAD_FAULTS = ("refuse", "fail_post", "fail_first_poll", "fail_later")
+
+#: ``FaultConnector.arm(CONNECTOR_BUG)``: the next load raises :class:`ConnectorBug`, an exception of no
+#: ``KVLoad*`` type (a bug of the connector), which ``alloc`` propagates with all state as it was.
+CONNECTOR_BUG = "connector_bug"
+
+
+class ConnectorBug(RuntimeError):
+    """The unexpected exception ``FaultConnector.load`` raises when armed with ``CONNECTOR_BUG``."""
+
+
+def manager_state(m, ctxs=()) -> tuple:
+    """Everything a manager call may change, comparable with ``==``: per replica, every leaf's free
+    order, ``block_count`` and pins, with several leaves the slab's parked queue, owners and live
+    counts; the metrics, transfers in flight; then :func:`request_state` of ``ctxs``."""
+    out = [m.get_metrics_aggregated()]
+    for r in range(m.params.data_parallel_degree):
+        out += [{lid: m._free_order(r, lid) for lid in m.params.leaves()}, m.block_count(r),
+                m.pending_transfers_exist(r), dict(m._pins[r]), dict(m._leaf_pins[r])]
+        if m._slabs:
+            t = m._slabs[r].table
+            out += [t.parked_order(), t.owners(), t.live_counts()]
+    return tuple(out) + request_state(m, ctxs)
+
+
+def request_state(m, ctxs) -> tuple:
+    """Per context: claimed or not, its lengths and hit, and (claimed) its rows and lookup state."""
+    out = []
+    for ctx in ctxs:
+        claimed = m.contains(ctx)
+        out += [ctx.request_id, claimed, ctx.processed_length, ctx.active_length, ctx.cached_prefix_length,
+                ctx.cached_prefix_external_length]
+        if claimed:
+            out += [m.get_req_blocks_per_leaf(ctx), m.awaits_lookup(ctx)]
+    return tuple(out)
 
 
 def kv_values(tokens: np.ndarray, positions: np.ndarray, page_shape, dtype) -> np.ndarray:
@@ -137,9 +172,9 @@ class FaultConnector:
 
     # -- arming
     def arm(self, fault: str) -> None:
-        """Make the next ``load`` do ``fault`` (one of ``LOAD_FAULTS``)."""
-        if fault not in LOAD_FAULTS:
-            raise ValueError(f"FaultConnector.arm: fault={fault!r}, must be one of {LOAD_FAULTS}")
+        """Make the next ``load`` do ``fault`` (one of ``LOAD_FAULTS``, or ``CONNECTOR_BUG``)."""
+        if fault not in LOAD_FAULTS + (CONNECTOR_BUG,):
+            raise ValueError(f"FaultConnector.arm: fault={fault!r}, must be one of {LOAD_FAULTS + (CONNECTOR_BUG,)}")
         self._next_load_fault = fault
 
     def refuse_next_lookup(self) -> None:
@@ -196,6 +231,8 @@ class FaultConnector:
         if fault == "refuse" and len(block_ids):
             self._own.connector_loads_refused += 1
             raise KVLoadRefused(f"FaultConnector: injected refusal of {len(block_ids)} blocks")
+        if fault == CONNECTOR_BUG and len(block_ids):
+            raise ConnectorBug(f"FaultConnector: injected connector bug at the load of {len(block_ids)} blocks")
         if fault == "fail_post" and len(block_ids):
             raise KVLoadFailed(f"FaultConnector: injected failure at post of {len(block_ids)} blocks")
         handle = self.inner.load(block_ids, hashes, tokens, replica_idx)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _fault_connector import FaultConnector, settle_manager
+from _fault_connector import CONNECTOR_BUG, ConnectorBug, FaultConnector, manager_state, settle_manager
 from _hybrid_model import HYBRIDS, check_hit_bytes, flush, forward, serve
 from _redis_servers import redis_server, redis_shared  # noqa: F401  (fixtures)
 
@@ -414,21 +414,6 @@ def test_a_bad_lookup_answer_rolls_the_alloc_back(pkg, config):
     m.shutdown()
 
 
-def _whole_state(m, ctx) -> tuple:
-    """Everything an alloc may change: each leaf's free order, the slab's parked queue, owners and live
-    counts, rows, pins, metrics, the context and its lookup state."""
-    slab = m._slabs[0].table
-    return ({lid: m._free_order(0, lid) for lid in HYBRIDS_OF(m)}, slab.parked_order(), slab.owners(),
-            slab.live_counts(), m.get_req_blocks_per_leaf(ctx), dict(m._leaf_pins[0]), m.block_count(),
-            m.get_metrics_aggregated(), m.pending_transfers_exist(), m.awaits_lookup(ctx),
-            (ctx.processed_length, ctx.active_length, ctx.cached_prefix_length,
-             ctx.cached_prefix_external_length))
-
-
-def HYBRIDS_OF(m) -> list[str]:
-    return list(m.params.leaves())
-
-
 @PKGS
 @CONFIGS
 def test_an_unexpected_load_error_leaves_everything_as_it_was(pkg, config):
@@ -437,25 +422,16 @@ def test_an_unexpected_load_error_leaves_everything_as_it_was(pkg, config):
     ``connector.load`` (a connector bug) propagates with every pool, the slab, the rows, pins,
     metrics and the context exactly as before; the next alloc loads the whole hit."""
 
-    class Broken(FaultConnector):
-        broken = False
-
-        def load(self, block_ids, hashes, tokens, replica_idx=0):
-            if self.broken:
-                raise RuntimeError("connector bug")
-            return super().load(block_ids, hashes, tokens, replica_idx)
-
-    fc = Broken(kvref.TieredConnector(host_bytes=64 * 64))
+    fc = FaultConnector(kvref.TieredConnector(host_bytes=64 * 64))
     m = primed_gated(pkg, config, fc)
     ctx = TextContext("b", PROMPT)
     m.claim(ctx)
-    before = _whole_state(m, ctx)
-    fc.broken = True
-    with pytest.raises(RuntimeError, match="connector bug"):
+    before = manager_state(m, [ctx])
+    fc.arm(CONNECTOR_BUG)
+    with pytest.raises(ConnectorBug):
         m.alloc(ctx)
-    assert _whole_state(m, ctx) == before
+    assert manager_state(m, [ctx]) == before
     m.check_invariants()
-    fc.broken = False
     m.alloc(ctx).synchronize()
     m.poll_transfers()
     assert (ctx.cached_prefix_length, ctx.cached_prefix_external_length) == (32, 32)

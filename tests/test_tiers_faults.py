@@ -16,11 +16,15 @@ import tempfile
 import numpy as np
 import pytest
 from _fault_connector import (
+    CONNECTOR_BUG,
     LOAD_FAULTS,
+    ConnectorBug,
     FaultConnector,
     flush_device,
     kv_values,
+    manager_state,
     next_token,
+    request_state,
     run_request,
     settle_manager,
     write_forward,
@@ -335,13 +339,24 @@ class TieredFaultMachine(RuleBasedStateMachine):
         self.iterate()
 
     @precondition(lambda self: len(self.live) < 3 and bool(self.served))
-    @rule(data=st.data(), fault=st.sampled_from((None,) + LOAD_FAULTS))
+    @rule(data=st.data(), fault=st.sampled_from((None,) + LOAD_FAULTS + (CONNECTOR_BUG,)))
     def readmit(self, data, fault):
         """A prompt served before comes back (where tier hits happen), with a
         fault armed for the next load."""
         if fault is not None:
             note(f"arm: {fault}")
             self.fc.arm(fault)
+        self._admit(data.draw(st.sampled_from(self.served)))
+        self.iterate()
+
+    @precondition(lambda self: len(self.live) < 3 and bool(self.served))
+    @rule(data=st.data())
+    def readmit_into_a_connector_bug(self, data):
+        """A served prompt comes back once the device cache was flushed (its blocks are in the tiers, so
+        the admission loads) and the connector's load raises an exception of no ``KVLoad*`` type."""
+        self.flush_device()
+        note(f"arm: {CONNECTOR_BUG}")
+        self.fc.arm(CONNECTOR_BUG)
         self._admit(data.draw(st.sampled_from(self.served)))
         self.iterate()
 
@@ -352,7 +367,7 @@ class TieredFaultMachine(RuleBasedStateMachine):
         note(f"m.claim({rid}); m.alloc({rid})  # {list(prompt)}")
         self.m.claim(ctx)
         try:
-            t = self.m.alloc(ctx)
+            t = self._alloc(ctx)
         except InsufficientBlocksError:
             note("  -> InsufficientBlocksError; release")
             self.m.release(ctx)
@@ -399,10 +414,30 @@ class TieredFaultMachine(RuleBasedStateMachine):
             return
         self._realloc(rid)
 
+    def _alloc(self, ctx):
+        """``alloc``; when an armed connector bug raises in it, every pool, pin, row, metric and the
+        context are as before the call (spec/manager.md §9.8, §11.22), and the alloc runs again. What
+        a raise keeps (spec/manager.md §4 step 6, §11.6): the drain that starts an alloc (run first
+        here, so the snapshot is the state a raise must leave) and a wait for in-flight offloads
+        (then the context, its rows and the other requests' rows are checked)."""
+        self.m._drain()
+        offloads = list(self.m._offloads)
+        ctxs = [c for c, _ in self.live.values()] + [ctx]
+        before, requests = manager_state(self.m, ctxs), request_state(self.m, ctxs)
+        try:
+            return self.m.alloc(ctx)
+        except ConnectorBug:
+            note("  -> the connector's load raised; alloc again")
+            if self.m._offloads == offloads:
+                assert manager_state(self.m, ctxs) == before
+            else:  # the alloc waited for offloads first (their pins dropped): the requests are as before
+                assert request_state(self.m, ctxs) == requests
+            return self.m.alloc(ctx)
+
     def _realloc(self, rid):
         ctx, _ = self.live[rid]
         try:
-            self.live[rid] = (ctx, self.m.alloc(ctx))
+            self.live[rid] = (ctx, self._alloc(ctx))
         except InsufficientBlocksError:
             note(f"{rid}: InsufficientBlocksError; preempt")
             self._release(rid)
@@ -434,7 +469,7 @@ class TieredFaultMachine(RuleBasedStateMachine):
         self.fc.land()
         self.m.poll_transfers()
 
-    @rule(fault=st.sampled_from(LOAD_FAULTS + ("lookup_miss",)))
+    @rule(fault=st.sampled_from(LOAD_FAULTS + (CONNECTOR_BUG, "lookup_miss")))
     def arm(self, fault):
         note(f"arm: {fault}")
         if fault == "lookup_miss":
