@@ -342,15 +342,16 @@ class Allocation:
                 # spec/manager.md §9.8: a load was posted into the predicted pages; any other draw is a bug
                 raise AssertionError(f"alloc: leaf {leaf.leaf_id!r} drew pages {pages}, the load went into "
                                      f"{plan.drawn[leaf.leaf_id]}")
-            if plan.leaf_peer:
-                pages = self._fill_peer_slots(req, ctx, leaf, row, pages, plan, copies)
             copy = leaf.first_state_copy(row, pages, plan, req)  # spec/manager.md §4.7: a new live state
+            if plan.leaf_peer:
+                self._fill_peer_slots(req, ctx, leaf, row, pages, plan, copies)
+            else:
+                row.extend(pages)
             if copy is not None:
                 copies.append(copy)
                 if copy[0] == "leafpeer":  # spec/manager.md §7.3: a peer's checkpoint into the new live page
                     m.cross_replica_blocks_copied += 1
                     m.cross_replica_bytes_copied += self._params.page_bytes(leaf.leaf_id)
-            row.extend(pages)
         self._run_copies(req, copies)
         device_hit = req.committed
         if plan.lookup_pending:
@@ -372,20 +373,31 @@ class Allocation:
         m.input_tokens += req.count_forward(ctx.active_length)  # spec/manager.md §4.9
         return transfer
 
-    def _fill_peer_slots(self, req, ctx, leaf, row, pages, plan, copies) -> list[int]:
-        """spec/manager.md §7.3 with several leaves: the sizing's first pages fill the row slots peer
-        copies take (block order), each published locally and copied; returns the rest (all of them
-        for a row without such slots, e.g. a recurrent leaf's)."""
+    @staticmethod
+    def _sized_row(row: list, pages: list[int]) -> list[int]:
+        """``row`` once the sizing drew ``pages`` into it: the first ones fill the slots peer copies
+        take (None, block order, spec/manager.md §7.3), the rest are appended. The commit places
+        them so (``_fill_peer_slots``), and a tier load's plan predicts its destinations so
+        (spec/manager.md §9.8)."""
+        out = list(row)
+        holes = [i for i, b in enumerate(out) if b is None]
+        for i, b in zip(holes, pages):
+            out[i] = b
+        return out + list(pages[len(holes):])
+
+    def _fill_peer_slots(self, req, ctx, leaf, row, pages, plan, copies) -> None:
+        """spec/manager.md §7.3 with several leaves: ``row`` takes the sizing's ``pages`` as
+        ``_sized_row`` places them; each slot a peer copy takes is published locally and copied."""
         lid, pool, m = leaf.leaf_id, self._pools[req.replica][leaf.leaf_id], self._metrics
         holes = [i for i, b in enumerate(row) if b is None]
-        for i, b in zip(holes, pages):
-            row[i] = b
+        row[:] = self._sized_row(row, pages)
+        for i in holes:
+            b = row[i]
             pool.publish(b, req.hashes[i], self._block_tokens(ctx.tokens, i))
             src_r, src = plan.leaf_peer[(lid, i)]
             copies.append(("leafpeer", (lid, src_r), src, b))
             m.cross_replica_blocks_copied += 1
             m.cross_replica_bytes_copied += self._params.kv_page_bytes
-        return pages[len(holes):]
 
     def _run_copies(self, req: _Request, copies: list) -> None:
         """Byte copies of an alloc, run only once nothing can fail any more (spec/manager.md §4.7)."""

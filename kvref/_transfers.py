@@ -270,16 +270,6 @@ class Transfers:
         pools = self._pools[r]
         return {lid: pools[lid].peek(n, skip=touched.get(lid, ())) for lid, n in wants.items()}
 
-    @staticmethod
-    def _sized_row(row: list, pages: list[int]) -> list[int]:
-        """``row`` once the sizing drew ``pages`` into it: the first ones fill the slots peer copies
-        take (None, block order, spec/manager.md §7.3), the rest are appended (as ``_commit_alloc``)."""
-        out = list(row)
-        holes = [i for i, b in enumerate(out) if b is None]
-        for i, b in zip(holes, pages):
-            out[i] = b
-        return out + list(pages[len(holes):])
-
     def _pin_leaves(self, r: int, leaf_pages: dict[str, list[int]]) -> None:
         pins = self._leaf_pins[r]
         for lid, pages in leaf_pages.items():
