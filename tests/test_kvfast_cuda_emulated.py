@@ -507,3 +507,48 @@ def test_emulated_launches_in_shuffled_thread_order(emulated, monkeypatch):
     monkeypatch.setenv("KVFAST_CUDA_EMULATE_SHUFFLE", "x")
     with pytest.raises(ValueError, match="KVFAST_CUDA_EMULATE_SHUFFLE='x'"):
         test_cuda_page_store(emulated)
+
+
+@pytest.mark.parametrize("config", ["full+sliding", "full+recurrent"])
+def test_hybrid_tier_reload_on_cuda_matches_kvref(emulated, config):
+    """A hybrid manager on cuda (host tier through the CudaPageStore of every leaf's units): a prompt
+    served, offloaded and flushed from the device comes back from the tier in one admission whose
+    load goes into the pages the slab's joint peek predicts (spec/manager.md §9.8); rows, metrics
+    and every leaf's device bytes equal kvref's on the CPU."""
+    from _hybrid_model import HYBRIDS, flush
+    from kvspec import KVCacheParams, TextContext
+    from kvspec.conformance._compare import to_numpy
+    from kvspec.conformance.manager_machine import write_forward
+
+    params = KVCacheParams(page_size=2, num_layers=1, kv_heads=1, head_dim=4, dtype="float16",
+                           leaves=HYBRIDS[config], host_offload_bytes=1 << 16)
+    prompt = list(range(3, 12))
+    out = []
+    for mod, dev in ((kvref, "cpu"), (kvfast, "cuda")):
+        m = mod.PagedKVCacheManager(params, num_blocks=12, max_batch_size=2, max_seq_len=16, device=dev)
+        a = TextContext("a", prompt)
+        m.claim(a)
+        a.chunk(8)  # a page-aligned chunk first: a recurrent leaf checkpoints at its end (spec/manager.md §5.2)
+        m.alloc(a)
+        write_forward(m, a, 5)
+        a.advance_chunk()
+        m.step(a)
+        m.alloc(a)
+        write_forward(m, a, 6)
+        a.update(1)
+        m.step(a)
+        m.runtime_inputs([[a]])  # posts the offload
+        m.release(a)
+        _drain(m)
+        flush(m)
+        b = TextContext("b", prompt)
+        m.claim(b)
+        m.alloc(b).synchronize()
+        m.poll_transfers()
+        assert b.cached_prefix_external_length > 0, "the hit did not come from the tier"
+        m.check_invariants()
+        bufs = m.get_device_buffer(0)
+        out.append((m.get_req_blocks_per_leaf(b), m.get_metrics_aggregated(), b.cached_prefix_length,
+                    {k: to_numpy(v).tobytes() for k, v in bufs.items()}))
+        m.shutdown()
+    assert out[0] == out[1]
