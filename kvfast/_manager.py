@@ -40,6 +40,7 @@ import numpy as np
 from kvspec import hashing
 from kvspec._config import parse_device
 from kvspec._manager_types import (
+    LUT_ALIGN,
     CompletedTransfer,
     KVCacheInputs,
     KVCacheInputsPerDevice,
@@ -59,9 +60,6 @@ __all__ = ["PagedKVCacheManager"]
 
 #: ``alloc``'s result when nothing is in flight (immutable, shared).
 _DONE = CompletedTransfer()
-
-#: ``lookup_table`` columns are ``roundup8(max(1, n))`` (spec/manager.md §8).
-_LUT_ALIGN = 8
 
 
 def _sha256_digest(data: bytes) -> bytes:
@@ -526,7 +524,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             if not 1 <= max_cache_length <= self._max_seq_len + self._slack or -(-max_cache_length // page) < need:
                 return None  # the policy raises
             need = -(-max_cache_length // page)
-        cols = _LUT_ALIGN * (-(-need // _LUT_ALIGN) or 1)
+        cols = LUT_ALIGN * (-(-need // LUT_ALIGN) or 1)
         if self._uses_connector:
             self._post_offloads()  # spec/manager.md §9.2: queued offloads are posted before the forward
         eng = self._engine
@@ -549,7 +547,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             for lid in self._leaf:
                 if lid in states:  # spec/manager.md §8: one column, the live state page
                     ones = ones or [1] * len(reqs)
-                    lut = eng.lookup_table([q.rows[lid] for q in reqs], ones, _LUT_ALIGN)
+                    lut = eng.lookup_table([q.rows[lid] for q in reqs], ones, LUT_ALIGN)
                 else:
                     lut = eng.lookup_table(rows if lid == leaf else [q.rows[lid] for q in reqs], widths, cols)
                 by_leaf[lid] = self._leaf_inputs(r, lid, eng.to_device(lut), lengths, longest, reach)

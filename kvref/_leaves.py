@@ -20,10 +20,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 from kvspec import LeafKind, LeafSpec
 from kvspec._dtypes import STATE_DTYPES
-from kvspec._manager_types import KVCacheParams
+from kvspec._manager_types import LUT_ALIGN, KVCacheParams
 from kvspec.engine import NULL_BLOCK, BlockPool
-
-from ._runtime_inputs import LUT_ALIGN
 
 if TYPE_CHECKING:
     from ._request import _AllocPlan, _Load, _Request

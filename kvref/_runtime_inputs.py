@@ -13,15 +13,14 @@ import numpy as np
 
 from kvspec._config import is_int as _is_int
 from kvspec._manager_types import (
+    LUT_ALIGN,
     KVCacheInputs,
     KVCacheInputsPerDevice,
     TextContext,
 )
 
-__all__ = ["LUT_ALIGN", "RuntimeInputs", "lut_columns"]
+__all__ = ["RuntimeInputs", "lut_columns"]
 
-#: Lookup-table columns are rounded up to a multiple of this (spec/manager.md §8).
-LUT_ALIGN = 8
 
 
 def lut_columns(op: str, need: int, page: int, max_cache_length, batches, max_batch_size: int,

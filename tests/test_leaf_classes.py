@@ -17,7 +17,7 @@ from kvspec.engine import NULL_BLOCK
 from kvref import _allocation, _commit, _manager, _prefix_hits, _runtime_inputs, _transfers
 from kvref._leaves import FullLeaf, Leaf, RecurrentLeaf, Residency, SlidingWindowLeaf, joint_hit
 from kvref._request import _AllocPlan, _Request
-from kvref._runtime_inputs import LUT_ALIGN
+from kvspec._manager_types import LUT_ALIGN
 
 PAGE = 16
 

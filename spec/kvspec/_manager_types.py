@@ -16,6 +16,7 @@ from . import retention as _retention
 from .hashing import HASH_ALGOS, salt_bytes
 
 __all__ = [
+    "LUT_ALIGN",
     "LeafKind",
     "LeafSpec",
     "KVCacheParams",
@@ -671,6 +672,10 @@ class KVCacheMetrics:
 # --------------------------------------------------------------------------- runtime inputs
 
 
+#: ``lookup_table`` columns are a multiple of this (spec/manager.md §8: ``roundup8(max(1, n))``).
+LUT_ALIGN = 8
+
+
 @dataclass(frozen=True, slots=True)
 class KVCacheInputsPerDevice:
     """What a paged attention kernel binds for one replica.
@@ -681,7 +686,7 @@ class KVCacheInputsPerDevice:
         The replica's device buffer (live view) of the leaf.
     lookup_table : uint32 [batch, cols]
         Row i: the request's first ``num_req_blocks`` block ids, then 0 (null);
-        ``cols`` rounded up to a multiple of 8.
+        ``cols`` rounded up to a multiple of ``LUT_ALIGN`` (8).
     cache_lengths : uint32 [batch]
         ``processed_length + len(maybe_accepted_draft_tokens)`` of each request.
     max_prompt_length : int
