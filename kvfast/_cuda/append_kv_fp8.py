@@ -49,12 +49,7 @@ def append_kv_fp8(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, 
     t = int(slot_mapping.shape[0])
     if t == 0:
         return
-    if fp8 not in FP8_FORMAT:
-        raise ValueError(f"append_kv_fp8: fp8={fp8!r}, must be one of {sorted(FP8_FORMAT)}")
-    if k_cache.dtype != cp.uint8 or v_cache.dtype != cp.uint8:
-        raise ValueError(f"append_kv_fp8: cache dtype={k_cache.dtype}, must be uint8 (FP8 bit patterns)")
-    if k_scale.dtype != cp.float32 or v_scale.dtype != cp.float32:
-        raise ValueError(f"append_kv_fp8: scale dtype={k_scale.dtype}, must be float32")
+    _check_storage("append_kv_fp8", fp8, k_cache, v_cache, k_scale, v_scale)
     if key.dtype != value.dtype or key.dtype not in (cp.float32, cp.float16, cp.uint16):
         raise ValueError(f"append_kv_fp8: key dtype={key.dtype}, value dtype={value.dtype}, must both be "
                          "float32, float16 or uint16 (bfloat16 bits)")
@@ -74,9 +69,7 @@ def append_kv_fp8(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, 
     dev = k_cache.device.id
     I = cp.int64
     fmt, in_fmt = I(FP8_FORMAT[fp8]), I(1 if bfloat16_input else 0)
-    ks, vs = _unit_rows("append_kv_fp8", k_scale, kv_heads), _unit_rows("append_kv_fp8", v_scale, kv_heads)
-    if ks.shape != vs.shape or ks.strides != vs.strides:
-        raise ValueError(f"append_kv_fp8: k_scale rows {ks.shape}/{ks.strides} != v_scale rows {vs.shape}/{vs.strides}")
+    ks, vs = _scale_rows("append_kv_fp8", k_scale, v_scale, kv_heads)
     num_units, scale_stride = int(ks.shape[0]), I(ks.strides[0] // 4)
     # 1. every touched unit-head's next scale: a copy of the scales, raised by atomicMax
     k_next, v_next = ks.copy(), vs.copy()
@@ -103,6 +96,25 @@ def append_kv_fp8(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, 
          I(units_per_block), I(unit_tokens), I(block_stride), I(row_stride), scale_stride),
         stream=stream,
     )
+
+
+def _check_storage(op: str, fp8: str, k_cache, v_cache, k_scale, v_scale) -> None:
+    """The format name, uint8 FP8 bit patterns and float32 scales (``ValueError`` naming ``op``)."""
+    cp = cupy()
+    if fp8 not in FP8_FORMAT:
+        raise ValueError(f"{op}: fp8={fp8!r}, must be one of {sorted(FP8_FORMAT)}")
+    if k_cache.dtype != cp.uint8 or v_cache.dtype != cp.uint8:
+        raise ValueError(f"{op}: cache dtype={k_cache.dtype}, must be uint8 (FP8 bit patterns)")
+    if k_scale.dtype != cp.float32 or v_scale.dtype != cp.float32:
+        raise ValueError(f"{op}: scale dtype={k_scale.dtype}, must be float32")
+
+
+def _scale_rows(op: str, k_scale, v_scale, kv_heads: int):
+    """Both scales as ``[num_units, kv_heads]`` rows (:func:`_unit_rows`), of one shape and stride."""
+    ks, vs = _unit_rows(op, k_scale, kv_heads), _unit_rows(op, v_scale, kv_heads)
+    if ks.shape != vs.shape or ks.strides != vs.strides:
+        raise ValueError(f"{op}: k_scale rows {ks.shape}/{ks.strides} != v_scale rows {vs.shape}/{vs.strides}")
+    return ks, vs
 
 
 def _unit_rows(op: str, scale, kv_heads: int):
@@ -138,15 +150,8 @@ def gather_kv_fp8(k_cache, v_cache, k_scale, v_scale, block_row, seq_len: int, *
     v_out = cp.empty_like(k_out)
     if seq_len == 0:
         return k_out, v_out
-    if fp8 not in FP8_FORMAT:
-        raise ValueError(f"gather_kv_fp8: fp8={fp8!r}, must be one of {sorted(FP8_FORMAT)}")
-    if k_cache.dtype != cp.uint8 or v_cache.dtype != cp.uint8:
-        raise ValueError(f"gather_kv_fp8: cache dtype={k_cache.dtype}, must be uint8 (FP8 bit patterns)")
-    if k_scale.dtype != cp.float32 or v_scale.dtype != cp.float32:
-        raise ValueError(f"gather_kv_fp8: scale dtype={k_scale.dtype}, must be float32")
-    ks, vs = _unit_rows("gather_kv_fp8", k_scale, kv_heads), _unit_rows("gather_kv_fp8", v_scale, kv_heads)
-    if ks.shape != vs.shape or ks.strides != vs.strides:
-        raise ValueError(f"gather_kv_fp8: k_scale rows {ks.shape}/{ks.strides} != v_scale rows {vs.shape}/{vs.strides}")
+    _check_storage("gather_kv_fp8", fp8, k_cache, v_cache, k_scale, v_scale)
+    ks, vs = _scale_rows("gather_kv_fp8", k_scale, v_scale, kv_heads)
     I = cp.int64
     threads = threads or launch_1d_rows(kv_heads * head_dim)
     get_kernel("append_kv_fp8.cu", "fp8_gather_kernel", 1, k_cache.device.id)(
