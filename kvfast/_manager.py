@@ -500,7 +500,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             # (3): every row claimed on replica r, once, holding the blocks it needs (every paged
             # row has the anchor's length; a state row its live page)
             reqs = list(map(requests.get, [c.request_id for c in batch]))
-            if not all(reqs) or any(q.replica != r for q in reqs):
+            if not all(reqs) or self._dp > 1 and any(q.replica != r for q in reqs):  # (one replica: all on 0)
                 return None
             seen += n
             rows = [q.rows[leaf] for q in reqs]
