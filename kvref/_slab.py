@@ -457,31 +457,41 @@ class Slab:
                 drawn: dict[str, list[int]] | None = None) -> tuple[str, int, int] | None:
         """Replay the touches of ``taken`` and the draws of ``wants`` (in its order) on copies of the
         free lists and the parked queue; the first leaf that runs dry, or None. Changes nothing;
-        ``drawn[leaf]`` (when given) receives each leaf's pages in draw order."""
+        ``drawn[leaf]`` (when given) receives each leaf's pages in draw order. O(free pages + parked
+        blocks + draws): a block leaving the queue mid-way is dropped from ``queued`` and skipped
+        when it reaches the front."""
         from collections import deque
 
         t = self.table
         owner = {}  # huge block -> its owner in the replay, where it changed
         parked = deque(t.parked_order())
+        queued = set(parked)  # the blocks still parked in the replay
+
+        def front() -> int | None:
+            while parked and parked[0] not in queued:
+                parked.popleft()
+            return parked[0] if parked else None
+
         lists, dead = {}, set()
         for lid in self.leaf_ids:
             inner, ratio = self.inner[lid], self.ratios[lid]
             pages = {b for b in taken.get(lid, ()) if b}
             for b in pages:
-                if inner.ref_count[b] == 0 and t.is_parked(b // ratio) and b // ratio in parked:
-                    parked.remove(b // ratio)
+                if inner.ref_count[b] == 0:  # a touched free page of a parked block takes it back
+                    queued.discard(b // ratio)
             lists[lid] = deque(b for b in inner.free_order() if b not in pages)
         for lid, n in wants.items():
             me, ratio, inner, lst = self._index[lid], self.ratios[lid], self.inner[lid], lists[lid]
             for got in range(n):
                 while lst and (lid, lst[0]) in dead:
                     lst.popleft()
-                first = parked[0] if parked else 0
-                pristine = bool(parked) and owner.get(first, t.owner[first]) == PRISTINE
+                first = front()
+                pristine = first is not None and owner.get(first, t.owner[first]) == PRISTINE
                 if not lst or (pristine and inner.block_hash[lst[0]] is not None):
-                    if not parked:
+                    if first is None:
                         return lid, n, got
                     h = parked.popleft()
+                    queued.discard(h)
                     prev = owner.get(h, t.owner[h])
                     if prev != PRISTINE:
                         old = self.leaf_ids[prev]
@@ -489,8 +499,7 @@ class Slab:
                     owner[h] = me
                     lst.extendleft(reversed(self._pages_of(lid, h)))
                 b = lst.popleft()
-                if b // ratio in parked:  # O(parked)
-                    parked.remove(b // ratio)
+                queued.discard(b // ratio)  # a drawn page of a parked block takes it back
                 if drawn is not None:
                     drawn[lid].append(b)
         return None
