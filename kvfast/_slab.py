@@ -134,6 +134,18 @@ def _claim_run(prev, next_, parked, owner, live, head, h0, h1, leaf, pages, rati
             live[h] += min(left, ratio)
 
 
+@njit(nogil=True, cache=True)
+def _parked_order(next_, head, tail, out):
+    """The parked queue from the front into ``out``; returns how many (one pass over the links)."""
+    n = 0
+    h = next_[head]
+    while h != tail and n < out.shape[0]:
+        out[n] = h
+        n += 1
+        h = next_[h]
+    return n
+
+
 _NO_REFS = np.zeros(1, np.int32)
 
 
@@ -162,6 +174,9 @@ def _warm() -> None:
     _drop_idle(prev, nxt, parked, owner, live, typed, n + 1, hs, 1, rc)
     _claim_front(prev, nxt, parked, owner, typed, n, 0, np.empty(0, np.int32), np.empty(0, np.int32))
     _claim_run(prev, nxt, parked, owner, live, n, 1, 1, 0, 0, 1)  # an empty run (the scratch arrays only)
+    empty = np.full(n + 2, -1, np.int32)
+    empty[n] = n + 1  # HEAD -> TAIL
+    _parked_order(empty, n, n + 1, np.empty(n, np.int32))
     _warmed = True
 
 
@@ -371,11 +386,8 @@ class FastSlabTable:
         return pool.touch_many(pages)
 
     def parked_order(self) -> list[int]:
-        out, nxt, h = [], self._next, int(self._next[self._head])
-        while h != self._tail:
-            out.append(h)
-            h = int(nxt[h])
-        return out
+        out = np.empty(self._num_parked, np.int32)
+        return out[: _parked_order(self._next, self._head, self._tail, out)].tolist()
 
     def owners(self) -> list[int]:
         return self.owner.tolist()

@@ -479,7 +479,8 @@ class Slab:
             for b in pages:
                 if inner.ref_count[b] == 0:  # a touched free page of a parked block takes it back
                     queued.discard(b // ratio)
-            lists[lid] = deque(b for b in inner.free_order() if b not in pages)
+            order = inner.free_order()
+            lists[lid] = deque([b for b in order if b not in pages] if pages else order)
         for lid, n in wants.items():
             me, ratio, inner, lst = self._index[lid], self.ratios[lid], self.inner[lid], lists[lid]
             for got in range(n):
