@@ -385,8 +385,8 @@ class FastSlabTable:
         self.take_idle(pages, ratio, pool.ref_count)
         return pool.touch_many(pages)
 
-    def parked_order(self) -> list[int]:
-        out = np.empty(self._num_parked, np.int32)
+    def parked_order(self, limit: int | None = None) -> list[int]:
+        out = np.empty(self._num_parked if limit is None else min(limit, self._num_parked), np.int32)
         return out[: _parked_order(self._next, self._head, self._tail, out)].tolist()
 
     def owners(self) -> list[int]:

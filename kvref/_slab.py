@@ -51,9 +51,10 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
+from itertools import islice
 
 from kvspec.engine import PRISTINE
 from kvspec.errors import CapacityError
@@ -322,9 +323,9 @@ class ReferenceSlabTable:
         self.take_idle(pages, ratio, pool.ref_count)
         return pool.touch_many(pages)
 
-    def parked_order(self) -> list[int]:
-        """The parked queue, front first (for tests)."""
-        return list(self._parked)
+    def parked_order(self, limit: int | None = None) -> list[int]:
+        """The parked queue, front first; its first ``limit`` blocks when given."""
+        return list(self._parked) if limit is None else list(islice(self._parked, limit))
 
     def owners(self) -> list[int]:
         """``owner[h]`` for every huge block (a copy)."""
@@ -336,6 +337,25 @@ class ReferenceSlabTable:
 
 
 # --------------------------------------------------------------------------- policy
+
+
+class _Prefix:
+    """The front of a sequence read on demand: ``get(i)`` is item ``i`` or None past the end;
+    ``fetch(k)`` returns the first ``k`` items (fewer at the end), and each refetch doubles."""
+
+    __slots__ = ("_fetch", "_items", "_complete")
+
+    def __init__(self, fetch: Callable[[int], list[int]]):
+        self._fetch = fetch
+        self._items: list[int] = []
+        self._complete = False
+
+    def get(self, i: int) -> int | None:
+        while i >= len(self._items) and not self._complete:
+            want = max(16, 2 * len(self._items), i + 1)
+            self._items = self._fetch(want)
+            self._complete = len(self._items) < want
+        return self._items[i] if i < len(self._items) else None
 
 
 class Slab:
@@ -436,7 +456,7 @@ class Slab:
             slack -= cost
         # The counts above are what an ideal split can draw; the draw itself may spend more blocks (a
         # pristine claim while a leaf still had published pages, one page un-parking a block whose
-        # other pages it does not use): replay it exactly (O(free pages); only near a full slab).
+        # other pages it does not use): replay it exactly (O(pages drawn); only near a full slab).
         return self._replay(wants, taken or {})
 
     def peek(self, wants: Mapping[str, int], taken: Mapping[str, Iterable[int]] | None = None
@@ -444,8 +464,8 @@ class Slab:
         """The pages a joint draw hands out, changing nothing: after the pages in ``taken[leaf]`` are
         touched, ``wants[leaf]`` pages are drawn for each leaf in turn, in the order of ``wants`` (as
         one ``allocate`` per leaf would, claims of huge blocks included). ``CapacityError`` when a leaf
-        runs dry (``shortfall`` says which first). O(free pages): the manager predicts the pages a
-        load goes into before anything is drawn (spec/manager.md §9.8)."""
+        runs dry (``shortfall`` says which first). O(pages drawn, plus pages and blocks skipped): the
+        manager predicts the pages a load goes into before anything is drawn (spec/manager.md §9.8)."""
         drawn: dict[str, list[int]] = {lid: [] for lid in wants}
         short = self._replay(wants, taken or {}, drawn)
         if short is not None:
@@ -455,52 +475,63 @@ class Slab:
 
     def _replay(self, wants: Mapping[str, int], taken: Mapping[str, Iterable[int]],
                 drawn: dict[str, list[int]] | None = None) -> tuple[str, int, int] | None:
-        """Replay the touches of ``taken`` and the draws of ``wants`` (in its order) on copies of the
-        free lists and the parked queue; the first leaf that runs dry, or None. Changes nothing;
-        ``drawn[leaf]`` (when given) receives each leaf's pages in draw order. O(free pages + parked
-        blocks + draws): a block leaving the queue mid-way is dropped from ``queued`` and skipped
-        when it reaches the front."""
-        from collections import deque
+        """Replay the touches of ``taken`` and the draws of ``wants`` (in its order) on the free lists
+        and the parked queue, changing nothing; the first leaf that runs dry, or None.
+        ``drawn[leaf]`` (when given) receives each leaf's pages in draw order.
 
+        Each list is read from its front only as far as the draws reach (``BlockPool.peek``,
+        ``SlabTable.parked_order(limit)``, a longer prefix when one runs out), so the replay costs
+        O(draws + pages and blocks skipped), not O(pool). A claimed block's pages go to the front of
+        the leaf's list (they are unpublished, so a leaf claims only once its earlier grants are
+        drawn); a claim of a block another leaf owns kills that leaf's pages in it; a page drawn or
+        touched takes its parked block back (it leaves the queue)."""
         t = self.table
         owner = {}  # huge block -> its owner in the replay, where it changed
-        parked = deque(t.parked_order())
-        queued = set(parked)  # the blocks still parked in the replay
-
-        def front() -> int | None:
-            while parked and parked[0] not in queued:
-                parked.popleft()
-            return parked[0] if parked else None
-
-        lists, dead = {}, set()
+        parked = _Prefix(t.parked_order)
+        left: set[int] = set()  # blocks that left the parked queue (taken back) before reaching its front
+        at = 0  # the replay's front of the parked queue
+        dead: set[tuple[str, int]] = set()
+        skip: dict[str, set[int]] = {}
         for lid in self.leaf_ids:
             inner, ratio = self.inner[lid], self.ratios[lid]
-            pages = {b for b in taken.get(lid, ()) if b}
+            skip[lid] = pages = {b for b in taken.get(lid, ()) if b}
             for b in pages:
                 if inner.ref_count[b] == 0:  # a touched free page of a parked block takes it back
-                    queued.discard(b // ratio)
-            order = inner.free_order()
-            lists[lid] = deque([b for b in order if b not in pages] if pages else order)
+                    left.add(b // ratio)
         for lid, n in wants.items():
-            me, ratio, inner, lst = self._index[lid], self.ratios[lid], self.inner[lid], lists[lid]
+            me, ratio, inner = self._index[lid], self.ratios[lid], self.inner[lid]
+            own = _Prefix(lambda k, _inner=inner, _skip=skip[lid]: _inner.peek(k, skip=_skip))
+            i = 0  # the leaf's next own free page
+            granted: list[int] = []  # pages of blocks it claimed in the replay, to pop first
             for got in range(n):
-                while lst and (lid, lst[0]) in dead:
-                    lst.popleft()
-                first = front()
+                if granted:
+                    nxt = granted[-1]
+                else:
+                    nxt = own.get(i)
+                    while nxt is not None and (lid, nxt) in dead:
+                        i += 1
+                        nxt = own.get(i)
+                first = parked.get(at)
+                while first is not None and first in left:
+                    at += 1
+                    first = parked.get(at)
                 pristine = first is not None and owner.get(first, t.owner[first]) == PRISTINE
-                if not lst or (pristine and inner.block_hash[lst[0]] is not None):
+                if nxt is None or (pristine and not granted and inner.block_hash[nxt] is not None):
                     if first is None:
                         return lid, n, got
-                    h = parked.popleft()
-                    queued.discard(h)
-                    prev = owner.get(h, t.owner[h])
+                    at += 1
+                    prev = owner.get(first, t.owner[first])
                     if prev != PRISTINE:
                         old = self.leaf_ids[prev]
-                        dead.update((old, b) for b in self._pages_of(old, h))
-                    owner[h] = me
-                    lst.extendleft(reversed(self._pages_of(lid, h)))
-                b = lst.popleft()
-                queued.discard(b // ratio)  # a drawn page of a parked block takes it back
+                        dead.update((old, b) for b in self._pages_of(old, first))
+                    owner[first] = me
+                    granted = list(reversed(self._pages_of(lid, first)))  # popped from the end: ascending
+                if granted:
+                    b = granted.pop()
+                else:
+                    b = nxt
+                    i += 1
+                left.add(b // ratio)  # a drawn page of a parked block takes it back
                 if drawn is not None:
                     drawn[lid].append(b)
         return None

@@ -127,8 +127,9 @@ class SlabTable(Protocol):
         ``take_idle(pages, ratio, pool.ref_count)``, then ``pool.touch_many(pages)``, whose count of
         revived pages it returns."""
 
-    def parked_order(self) -> list[int]:
-        """The parked queue front to back (for tests)."""
+    def parked_order(self, limit: int | None = None) -> list[int]:
+        """The parked queue front to back; with ``limit``, its first ``limit`` blocks (the slab's
+        replay reads only as far as its draws reach)."""
 
     def owners(self) -> list[int]:
         """``owner`` of every huge block (a copy)."""
