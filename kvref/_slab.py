@@ -806,26 +806,11 @@ class SlabLeafPool:
 
     def peek(self, n: int, skip=()) -> list[int]:
         """The first ``n`` pages ``allocate`` would hand out once the pages in ``skip`` were taken
-        (fewer when fewer can be drawn); changes nothing. Replays the claim rule of
-        :meth:`Slab.allocate_one` on copies: O(free pages) (the manager plans before it commits)."""
-        from collections import deque
-
-        slab, t, inner, r = self.slab, self.slab.table, self.inner, self.ratio
-        taken = set(skip)
-        own = deque(b for b in inner.free_order() if b not in taken)
-        back = {b // r for b in taken}  # taking a page of a parked block takes the block back
-        me = slab._index[self.leaf_id]
-        parked = deque(h for h in t.parked_order() if h not in back and t.owner[h] != me)
-        out: list[int] = []
-        while len(out) < n:
-            pristine = bool(parked) and t.owner[parked[0]] == PRISTINE
-            if not own or (pristine and inner.block_hash[own[0]] is not None):
-                if not parked:
-                    break
-                h = parked.popleft()
-                own.extendleft(reversed(range(h * r, (h + 1) * r)))
-            out.append(own.popleft())
-        return out
+        (fewer when fewer can be drawn); changes nothing: the slab's replay (:meth:`Slab.peek`) of
+        this leaf's draws alone, O(pages drawn)."""
+        drawn: dict[str, list[int]] = {self.leaf_id: []}
+        self.slab._replay({self.leaf_id: n}, {self.leaf_id: skip}, drawn)
+        return drawn[self.leaf_id]
 
     def free_order(self) -> list[int]:
         return self.inner.free_order()
