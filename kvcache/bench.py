@@ -315,7 +315,8 @@ CHUNK = 256
 
 
 def scheduler_loop(manager_cls, config: str, prompts, gen, *, wave: int = 16, num_blocks: int = 1200,
-                   retention: Callable[[int], dict] | None = None) -> dict:
+                   retention: Callable[[int], dict] | None = None,
+                   clock: Callable[[str], float] | None = None) -> dict:
     """Drive ``manager_cls`` the way a scheduler does (issue 12): per wave, ``claim`` + ``alloc``
     (prefix hit), then forwards until every request sampled its tokens: ``alloc`` +
     ``runtime_inputs`` + the forward (prefill in chunks ending at multiples of ``CHUNK`` tokens when
@@ -328,7 +329,12 @@ def scheduler_loop(manager_cls, config: str, prompts, gen, *, wave: int = 16, nu
     ``num_blocks`` is the room **per leaf**: several leaves share one slab of huge blocks
     (spec/manager.md §13), so the manager gets ``num_blocks * len(leaves)`` of them and each leaf
     the room of the one-full-leaf row. ``retention(i)``: the ``retention_priority`` /
-    ``retention_seconds`` keywords of request ``i``'s context (spec/manager.md §14)."""
+    ``retention_seconds`` keywords of request ``i``'s context (spec/manager.md §14).
+
+    ``clock(phase)`` is read at the start and the end of each timed span, ``phase`` naming it
+    (``"admit"``: claim + alloc of a wave, ``"grow"``, ``"inputs"``, ``"step"``, ``"release"``);
+    the default reads ``time.thread_time``. ``benchmarks/instructions.py`` passes one that
+    switches callgrind's counting on and off around the spans of one phase."""
     from kvspec import TextContext
 
     params = manager_params(config)
@@ -340,40 +346,41 @@ def scheduler_loop(manager_cls, config: str, prompts, gen, *, wave: int = 16, nu
     gc.collect()
     gc.freeze()  # as replay_manager: time the bookkeeping, not collections of the workload's arrays
     align = m.chunk_alignment_tokens
-    perf = time.thread_time  # CPU time of this thread: the bookkeeping, robust on a shared machine
+    # CPU time of this thread: the bookkeeping, robust on a shared machine
+    perf = (lambda phase: time.thread_time()) if clock is None else clock
     busy = 0.0
     hits = peak = 0
     try:
         for w0 in range(0, len(prompts), wave):
             ids = list(range(w0, min(w0 + wave, len(prompts))))
             ctxs = [TextContext(str(i), prompts[i], **(retention(i) if retention else {})) for i in ids]
-            t0 = perf()
+            t0 = perf("admit")
             for i, ctx in zip(ids, ctxs):
                 m.claim(ctx, i % dp)
                 m.alloc(ctx)
                 hits += ctx.cached_prefix_length
-            busy += perf() - t0
+            busy += perf("admit") - t0
             sampled = [0] * len(ids)  # sampled tokens so far, per request
             first = True
             while True:
                 live = [j for j in range(len(ids)) if sampled[j] < gen.shape[1]]
                 if not live:
                     break
-                t0 = perf()
+                t0 = perf("grow")
                 if not first:
                     for j in live:
                         m.alloc(ctxs[j])
                 first = False
-                busy += perf() - t0
+                busy += perf("grow") - t0
                 for j in live:  # chunked prefill at page-aligned 256-token boundaries when asked
                     ctx = ctxs[j]
                     if align and ctx.active_length > 1:
                         n = CHUNK - ctx.processed_length % CHUNK
                         if n < ctx.active_length:
                             ctx.chunk(n)
-                t0 = perf()
+                t0 = perf("inputs")
                 m.runtime_inputs([[ctxs[j] for j in live if ids[j] % dp == r] for r in range(dp)])
-                busy += perf() - t0
+                busy += perf("inputs") - t0
                 for j in live:  # the forward
                     ctx = ctxs[j]
                     if ctx.pending_length:
@@ -383,16 +390,16 @@ def scheduler_loop(manager_cls, config: str, prompts, gen, *, wave: int = 16, nu
                         sampled[j] += 1
                         if k:  # the drafter's guesses for the next forward (spec/manager.md §15.2)
                             ctx.spec_decoding_state.draft_tokens_to_verify = [int(gen[ids[j], 0])] * k
-                t0 = perf()
+                t0 = perf("step")
                 for j in live:
                     m.step(ctxs[j])
-                busy += perf() - t0
+                busy += perf("step") - t0
             _settle_offloads(m, dp)  # untimed: the peak counts the requests' pages, not copies in flight
             peak = max(peak, max(m.block_count(r).used for r in range(dp)))
-            t0 = perf()
+            t0 = perf("release")
             for ctx in ctxs:
                 m.release(ctx)
-            busy += perf() - t0
+            busy += perf("release") - t0
     finally:
         gc.unfreeze()
         m.shutdown()

@@ -19,11 +19,13 @@ is decided at construction:
   growth of a request past its admission (``alloc``: the drain, the sizing of every
   paged row from one slab, the count; with drafts the rows cover ``seq_len``, and a
   row past it rolls back through the policy), the step that fills no page,
-  checkpoints no state and slides no window (``step``: the count), and the
-  forward's inputs (``runtime_inputs``: the batch's checks and one lookup table
-  per leaf in a few C-level passes; the drafts' lengths; FP8's scale fields);
-* one full-attention leaf besides: the one-block commit of a decode step, the
-  release (claim and free in one kernel pass, ``BlockPool.retain_free``) and the
+  checkpoints no state and slides no window (``step``: the count), the one-block
+  commit of a decode step (``step``: the block hashed once and published in every
+  paged leaf, then the policy's own checkpoint and slide), and the forward's inputs
+  (``runtime_inputs``: the batch's checks and one lookup table per leaf in a few
+  C-level passes; the drafts' lengths; FP8's scale fields);
+* one full-attention leaf besides: the release (claim and free in one kernel
+  pass, ``BlockPool.retain_free``) and the
   admission's splice (when no peer replica holds the block after the local run and
   the tiers hold nothing past it: one connector lookup).
 
@@ -384,7 +386,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             return  # decode step inside a block: nothing to hash or publish
         n_hash = (ctx._length - 1) // page
         if n_hash == k + 1 == lo + 1 and processed // page == n_hash:
-            self._fill_one(req, ctx, row, k)  # a decode step filled one block
+            self._fill_leaves(req, ctx, k)  # a decode step filled one block
             return
         if len(hashes) != n_hash:
             req.hashes = hashes = self._hashes_for(ctx, hashes)
@@ -412,8 +414,9 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
     def _step_leaves(self, ctx: TextContext) -> None:
         """``step`` with several leaves: a step of a ``settled`` request (spec/manager.md §2) that fills
         no page, checkpoints no state and slides no window only counts the forward (spec/manager.md §5);
-        any other goes to the policy (which raises, adopts a replacement, polls a load, clears the
-        admission's flags or commits)."""
+        one whose decode filled exactly one block commits it (``_fill_leaves``), then checkpoints and
+        slides through the policy's own methods; any other goes to the policy (which raises, adopts a
+        replacement, polls a load, clears the admission's flags or commits several blocks)."""
         req = self._requests.get(ctx.request_id)
         if req is not None and req.ctx is ctx and req.settled:
             page = self._page
@@ -429,32 +432,46 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                 else:
                     req.step_gen += 1
                     return
+            elif self._caching and processed <= len(req.rows[self._anchor_id]) * page:
+                k = len(req.hashes)
+                if (ctx._length - 1) // page == k + 1 == req.committed + 1 and filled == k + 1:
+                    # A decode step filled one block (blocks before it committed): the policy's
+                    # commit of it in every paged leaf, then its checkpoint and slide
+                    # (spec/manager.md §5.1-§5.3, in that order).
+                    req.step_gen += 1
+                    self._fill_leaves(req, ctx, k)
+                    if self._state_ids:
+                        self._checkpoint(req, ctx)
+                    if self._windows:
+                        self._slide(req, ctx)
+                    return
         return super().step(ctx)
 
-    def _fill_one(self, req, ctx: TextContext, row: list[int], i: int) -> None:
-        """Hash and publish row block ``i`` (a decode step just filled it; blocks before are committed)."""
+    def _fill_leaves(self, req, ctx: TextContext, i: int) -> None:
+        """spec/manager.md §5.1 for block ``i`` of every paged leaf (a decode step just filled it,
+        blocks before are committed): hash it, publish it leaf by leaf in the policy's commit order
+        (the anchor first: its collision stops the chain, nothing else is published), twin dedup
+        (``_publish_or_twin``), queue it for offload."""
         page = self._page
         toks = ctx._tokens[i * page : (i + 1) * page]  # native int32: the verified tokens
-        # spec/manager.md §3.1 (spec/hashing.md): the hash input goes through kvspec.hashing.tokens_to_bytes (patchable in tests).
-        if hashing.native_tokens_are_hash_input():
-            hin = toks.tobytes()
-        else:
-            hin = hashing.tokens_to_bytes(toks)
+        # spec/manager.md §3.1 (spec/hashing.md): the hash input goes through kvspec.hashing.tokens_to_bytes.
+        hin = toks.tobytes() if hashing.native_tokens_are_hash_input() else hashing.tokens_to_bytes(toks)
         hashes = req.hashes
-        parent = hashes[-1] if hashes else self._root(ctx.cache_salt)
-        h = self._hash1(parent + hin)
-        pool = self._pools[req.replica][self._conn_leaf]
+        h = self._hash1((hashes[-1] if hashes else self._root(ctx.cache_salt)) + hin)
         hashes.append(h)  # req.hashes is the request's own list (never shared)
-        if i and pool.block_hash[row[i - 1]] != hashes[i - 1]:
+        if not self._parent_published(req, i):
             return  # spec/manager.md §5.1: the parent lost a collision; the chain is not published
-        b = row[i]
-        c = pool.publish_tokens(b, h, toks)
-        if c != b:  # spec/manager.md §5.1: twin dedup (same chain), keep the published copy
-            pool.touch(c)
-            row[i] = c
-            pool.free([b])
-        elif pool.block_hash[b] != h:
-            return  # a collision: the chain stops here
+        pools, rows, anchor = self._pools[req.replica], req.rows, self._anchor
+        for leaf in self._commit_order:
+            pool, row = pools[leaf.leaf_id], rows[leaf.leaf_id]
+            b = row[i]
+            if pool.block_hash[b] is not None:
+                continue  # published already: kept
+            c = self._publish_or_twin(pool, b, h, toks)
+            if c != b:
+                row[i] = c  # the published twin (same chain) replaces our copy
+            elif pool.block_hash[b] is None and leaf is anchor:
+                return  # a collision of the anchor: the block is retried at the next step
         req.committed = i + 1
         if self._uses_connector:  # spec/manager.md §9.2: queued for the next post
             self._offload_queue[req.replica].append(([h], np.array(toks, dtype=np.int32).reshape(1, page)))

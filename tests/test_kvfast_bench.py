@@ -108,3 +108,32 @@ def test_scheduler_loop_agrees_between_packages_in_every_configuration():
             assert (a["hit_tokens"], a["peak_blocks"]) == (b["hit_tokens"], b["peak_blocks"]), config
         caching = bench.MANAGER_CONFIGS[config].get("enable_prefix_caching", True)
         assert a["peak_blocks"] > 0 and (a["hit_tokens"] > 0) == caching, config
+
+
+def test_scheduler_loop_clock_names_every_span():
+    """``clock(phase)`` is read at the start and the end of each timed span (what
+    ``benchmarks/instructions.py`` toggles callgrind's counting with), the loop's seconds are the
+    sum of the spans, and only the five phases are named."""
+    prompts, gen = bench.config_workload(10)
+    reads = []
+
+    def clock(phase):
+        reads.append(phase)
+        return float(len(reads))  # each read one second later
+
+    out = bench.scheduler_loop(kvfast.PagedKVCacheManager, "full + recurrent", prompts, gen[:, :3], wave=4,
+                               num_blocks=400, clock=clock)
+    assert set(reads) == {"admit", "grow", "inputs", "step", "release"}
+    assert all(a == b for a, b in zip(reads[::2], reads[1::2])) and len(reads) % 2 == 0  # start, end pairs
+    assert out["seconds"] == len(reads) // 2  # every span lasted one read
+    assert reads.count("admit") == reads.count("release") == 2 * 3  # one pair per wave of 4 (10 requests)
+
+
+def test_instructions_script_rejects_unknown_configurations():
+    """``benchmarks/instructions.py`` checks its arguments before it needs valgrind."""
+    import subprocess
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "instructions.py"
+    done = subprocess.run([sys.executable, str(script), "--configs", "one full leaf", "two leaves"],
+                          capture_output=True, text=True)
+    assert done.returncode != 0 and "unknown configurations ['two leaves']" in done.stderr

@@ -208,3 +208,71 @@ def test_inputs_lane_serves_capture_widths_and_empty_batches(monkeypatch):
         if "rec" in p.leaves():
             errs = [_outcome(lambda m=m: m.runtime_inputs([[], []])) for m in ms]
             assert errs[0] == errs[1] and errs[0][0] == "err", errs
+
+
+def _leaf_sets():
+    from kvspec import LeafSpec
+
+    return {
+        "full": {"full": LeafSpec.full()},
+        "full+swa": {"full": LeafSpec.full(), "swa": LeafSpec.sliding_window(2 * PAGE + 1)},
+        "full+rec": {"full": LeafSpec.full(), "rec": LeafSpec.recurrent((2, 2))},
+        "swa+full": {"swa": LeafSpec.sliding_window(PAGE + 1), "full": LeafSpec.full()},
+    }
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("leaves", sorted(_leaf_sets()))
+@pytest.mark.parametrize("collide", [False, True], ids=["distinct", "colliding"])
+def test_decode_fills_of_every_leaf_set_match_reference(leaves, collide):
+    """spec/manager.md §5.1-§5.3 at the decode step that fills a block (kvfast's fill lane for one
+    leaf and for several): with every block hash colliding (``collide_hashes``: the hash ignores
+    the tokens) a request whose tokens differ from the published chain's loses the collision at the
+    anchor, its chain stops there and every later fill's parent check fails; twins (identical
+    prompts decoding identical tokens) switch to the published page. Rows, committed hits, free
+    order, metrics and invariants agree with kvref at every step."""
+    import contextlib
+
+    from kvspec.hashing import collide_hashes
+
+    params = KVCacheParams(page_size=PAGE, num_layers=1, kv_heads=1, head_dim=2, leaves=_leaf_sets()[leaves])
+    kw = dict(num_blocks=40 * len(params.leaves()), max_batch_size=4, max_seq_len=48)
+    ms = kvref.PagedKVCacheManager(params, **kw), kvfast.PagedKVCacheManager(params, **kw)
+    prompts = {"a": [1, 2, 3, 4, 5, 6], "twin": [1, 2, 3, 4, 5, 6], "other": [9, 8, 7, 6, 5, 4], "short": [3]}
+    rng = np.random.default_rng(3)
+    with collide_hashes() if collide else contextlib.nullcontext():
+        ctxs = [{rid: TextContext(rid, p) for rid, p in prompts.items()} for _ in ms]
+        for rid in prompts:
+            for m, cs in zip(ms, ctxs):
+                m.claim(cs[rid])
+                m.alloc(cs[rid])
+        for step in range(3 * PAGE + 1):
+            # the twin decodes what "a" decodes (its filled blocks are twins of a's); the others
+            # decode their own tokens
+            tok = {"a": int(rng.integers(0, 50)), "other": int(rng.integers(0, 50)), "short": 11}
+            tok["twin"] = tok["a"]
+            for rid in prompts:
+                got = []
+                for m, cs in zip(ms, ctxs):
+                    ctx = cs[rid]
+                    m.alloc(ctx)
+                    ctx.update(tok[rid])
+                    m.step(ctx)
+                    got.append((m.get_req_blocks_per_leaf(ctx), m._requests[rid].committed,
+                                len(m._requests[rid].hashes)))
+                assert got[0] == got[1], (step, rid, got)
+            for m in ms:
+                m.check_invariants()
+            assert ms[0]._free_order() == ms[1]._free_order()
+            assert ms[0].get_metrics_aggregated() == ms[1].get_metrics_aggregated()
+        committed = {rid: ms[1]._requests[rid].committed for rid in prompts}
+        for rid in prompts:
+            for m, cs in zip(ms, ctxs):
+                m.release(cs[rid])
+        assert ms[0]._free_order() == ms[1]._free_order()
+    if collide:  # "other" collides with a's chain at block 0: nothing of it is ever published
+        assert committed["other"] == 0 and committed["a"] > 1
+    else:
+        assert min(committed.values()) > 0
