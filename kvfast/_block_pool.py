@@ -57,6 +57,8 @@ NULL_BLOCK = 0
 
 #: Up to this many blocks, ``free`` and ``touch_many`` loop in Python (cheaper than a kernel call).
 _SMALL = 4
+#: ``publish``: int32 tokens are read in place (``dtype is`` holds for NumPy's builtin dtypes)
+_INT32 = np.dtype(np.int32)
 
 #: Runs an iterator of side effects (``map`` of a setter) to the end at C speed.
 _consume = deque(maxlen=0).extend
@@ -551,7 +553,9 @@ class BlockPool:
             raise ValueError("BlockPool.publish: block 0 is the null block")
         if self.block_hash[block] is not None:
             return block
-        return self._publish(block, bytes(block_hash), np.array(tokens, dtype=np.int32).ravel())
+        if type(tokens) is not np.ndarray or tokens.dtype is not _INT32 or tokens.ndim != 1:
+            tokens = np.asarray(tokens, dtype=np.int32).ravel()  # (_publish copies them into the table)
+        return self._publish(block, block_hash if type(block_hash) is bytes else bytes(block_hash), tokens)
 
     def publish_tokens(self, block: int, block_hash: bytes, tokens: np.ndarray) -> int:
         """:meth:`publish` with ``block_hash`` as bytes and the tokens as int32 ``[w]``."""

@@ -451,7 +451,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         """spec/manager.md §5.1 for block ``i`` of every paged leaf (a decode step just filled it,
         blocks before are committed): hash it, publish it leaf by leaf in the policy's commit order
         (the anchor first: its collision stops the chain, nothing else is published), twin dedup
-        (``_publish_or_twin``), queue it for offload."""
+        (as ``_publish_or_twin``), queue it for offload."""
         page = self._page
         toks = ctx._tokens[i * page : (i + 1) * page]  # native int32: the verified tokens
         # spec/manager.md §3.1 (spec/hashing.md): the hash input goes through kvspec.hashing.tokens_to_bytes.
@@ -461,16 +461,18 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         hashes.append(h)  # req.hashes is the request's own list (never shared)
         if not self._parent_published(req, i):
             return  # spec/manager.md §5.1: the parent lost a collision; the chain is not published
-        pools, rows, anchor = self._pools[req.replica], req.rows, self._anchor
+        pools, rows, anchor, single = self._pools[req.replica], req.rows, self._anchor, self._single
         for leaf in self._commit_order:
             pool, row = pools[leaf.leaf_id], rows[leaf.leaf_id]
             b = row[i]
-            if pool.block_hash[b] is not None:
-                continue  # published already: kept
-            c = self._publish_or_twin(pool, b, h, toks)
-            if c != b:
-                row[i] = c  # the published twin (same chain) replaces our copy
-            elif pool.block_hash[b] is None and leaf is anchor:
+            # b: published now or already, or a collision (one full leaf: kvfast's own pool, which
+            # takes the hash and the int32 tokens as they are)
+            c = pool.publish_tokens(b, h, toks) if single else pool.publish(b, h, toks)
+            if c != b:  # twin dedup (_publish_or_twin): the published copy replaces ours
+                pool.touch(c)
+                row[i] = c
+                pool.free([b])
+            elif leaf is anchor and pool.block_hash[b] is None:
                 return  # a collision of the anchor: the block is retried at the next step
         req.committed = i + 1
         if self._uses_connector:  # spec/manager.md §9.2: queued for the next post

@@ -23,7 +23,7 @@ from ._block_pool import _SMALL, _ids
 from ._numba.freelist import insert_before, unlink
 
 
-@njit(nogil=True, cache=True, inline="always")
+@njit(cache=True, inline="always")
 def _ref_one(prev, next_, parked, owner, live, parked_typed, h):
     """A page of huge block ``h`` referenced again: unlink it if parked, ``live += 1``. Returns 1
     when it was un-parked, else 0."""
@@ -38,7 +38,7 @@ def _ref_one(prev, next_, parked, owner, live, parked_typed, h):
     return was_parked
 
 
-@njit(nogil=True, cache=True, inline="always")
+@njit(cache=True, inline="always")
 def _unref_one(prev, next_, parked, owner, live, parked_typed, tail, h):
     """A page of huge block ``h`` went idle: ``live -= 1``; at 0 the block is appended to the parked
     queue. Returns 1 when it was parked, else 0."""
@@ -51,7 +51,7 @@ def _unref_one(prev, next_, parked, owner, live, parked_typed, tail, h):
     return 1
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def _take(prev, next_, parked, owner, live, parked_typed, hs):
     """A page of each huge block of ``hs`` referenced again: unlink it if parked, ``live += 1``.
     Returns how many were un-parked."""
@@ -62,7 +62,7 @@ def _take(prev, next_, parked, owner, live, parked_typed, hs):
     return k
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def _drop(prev, next_, parked, owner, live, parked_typed, tail, hs):
     """A page of each huge block of ``hs`` went idle: ``live -= 1``; at 0 the block is appended
     to the parked queue. Returns how many were parked."""
@@ -73,7 +73,7 @@ def _drop(prev, next_, parked, owner, live, parked_typed, tail, hs):
     return k
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def _take_pages(prev, next_, parked, owner, live, parked_typed, pages, ratio, ref_count, idle_only):
     """:func:`_take` of ``pages[i] // ratio`` for every page (``idle_only``: only the pages whose
     ``ref_count`` is 0). Returns how many huge blocks were un-parked."""
@@ -87,7 +87,7 @@ def _take_pages(prev, next_, parked, owner, live, parked_typed, pages, ratio, re
     return k
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def _drop_idle(prev, next_, parked, owner, live, parked_typed, tail, pages, ratio, ref_count):
     """:func:`_drop` of ``pages[i] // ratio`` for every page ``!= 0`` whose ``ref_count`` is 0.
     Returns how many huge blocks were parked."""
@@ -101,7 +101,7 @@ def _drop_idle(prev, next_, parked, owner, live, parked_typed, tail, pages, rati
     return k
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def _claim_front(prev, next_, parked, owner, parked_typed, head, leaf, hs, prevs):
     """Unlink the ``hs.shape[0]`` front blocks of the parked queue into ``hs`` (their previous owners
     into ``prevs``) and type them to ``leaf``; the caller checked that many are parked."""
@@ -117,7 +117,7 @@ def _claim_front(prev, next_, parked, owner, parked_typed, head, leaf, hs, prevs
         prevs[i] = o
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def _claim_run(prev, next_, parked, owner, live, head, h0, h1, leaf, pages, ratio):
     """Unlink the run ``h0 .. h1-1`` at the front of the parked queue (pristine, consecutive), type it
     to ``leaf`` and reference its first ``pages`` pages (``ratio`` per block): ``live += 1`` each."""
@@ -134,7 +134,7 @@ def _claim_run(prev, next_, parked, owner, live, head, h0, h1, leaf, pages, rati
             live[h] += min(left, ratio)
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def _parked_order(next_, head, tail, out):
     """The parked queue from the front into ``out``; returns how many (one pass over the links)."""
     n = 0

@@ -80,7 +80,7 @@ def _memcpy(typingctx, dst, src, nbytes):
     return sig, codegen
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def _runs(slot_mapping, block_size, starts, lengths, limit):
     """Split tokens into runs of consecutive slots inside one block (one memcpy each).
 

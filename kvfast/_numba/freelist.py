@@ -39,7 +39,7 @@ def list_size(num_blocks: int) -> int:
     return num_blocks + NUM_LEVELS + 2
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def init_list(prev, next_, num_blocks):
     """Blocks ``1 .. num_blocks-1`` in ascending order on the front, every level empty; block 0 off the list."""
     head = num_blocks
@@ -59,7 +59,7 @@ def init_list(prev, next_, num_blocks):
     next_[0] = -1
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def _front(next_, head, lo):
     """``(block, lo)``: the block a pop takes (the caller checked one is free) and the raised bound."""
     b = next_[head]
@@ -70,7 +70,7 @@ def _front(next_, head, lo):
     return next_[head + 1 + lo], lo
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def insert_before(prev, next_, t, b):
     """Link ``b`` into the list just before node ``t`` (a block or a sentinel)."""
     p = prev[t]
@@ -80,13 +80,13 @@ def insert_before(prev, next_, t, b):
     prev[t] = b
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def _append(prev, next_, head, level, b):
     """Put ``b`` at the back of ``level`` (just before the next level's sentinel, or TAIL)."""
     insert_before(prev, next_, head + 2 + level, b)
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def _requeue(prev, next_, head, prio, expiry, b, lo, ttl, k):
     """Append free published ``b`` to the back of its level (the default one without a claim),
     lowering the bound ``lo``; a finite expiry is recorded in ``ttl[k]``. Returns ``(lo, k)``."""
@@ -100,7 +100,7 @@ def _requeue(prev, next_, head, prio, expiry, b, lo, ttl, k):
     return lo, k
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def _merge_claim(prio, expiry, b, priority, until, now):
     """Merge the claim ``(priority, until)`` into published ``b``'s (kvspec.retention.merge):
     no claim or an expired one takes the new claim; else the higher priority, at equal
@@ -113,7 +113,7 @@ def _merge_claim(prio, expiry, b, priority, until, now):
         expiry[b] = until
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def _release(prev, next_, published, prio, expiry, head, b, lo, now, ttl, k):
     """Queue ``b``, whose ref count just reached 0: the front when unpublished, the back of its
     level when published (a claim expired by ``now`` is dropped first). Returns ``(lo, k)``."""
@@ -126,7 +126,7 @@ def _release(prev, next_, published, prio, expiry, head, b, lo, now, ttl, k):
     return lo, k
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def unlink(prev, next_, b):
     """Take block ``b`` out of the list (a prefix hit revives a free block)."""
     p = prev[b]
@@ -137,7 +137,7 @@ def unlink(prev, next_, b):
     next_[b] = -1
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def push_front_many(prev, next_, head, blocks):
     """Put ``blocks`` (off the list) at the front in the order given: ``blocks[0]`` is popped first
     (a slab leaf's pages of a huge block it claimed, spec/manager.md §13.2)."""
@@ -151,7 +151,7 @@ def push_front_many(prev, next_, head, blocks):
     prev[nn] = head
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def unlink_many(prev, next_, blocks):
     """Take each of ``blocks`` (all on the list) out of it (a slab leaf's pages of a huge block
     another leaf claims, spec/manager.md §13.2)."""
@@ -159,7 +159,7 @@ def unlink_many(prev, next_, blocks):
         unlink(prev, next_, blocks[i])
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def unpublished_run(next_, published, head, tail, lo, n):
     """How many of the first ``n`` blocks a pop would take are unpublished before the first
     published one (sentinels skipped; an empty front starts at level ``lo``)."""
@@ -176,7 +176,7 @@ def unpublished_run(next_, published, head, tail, lo, n):
     return run
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def pop_front_n(prev, next_, ref_count, head, lo, n, out):
     """Pop ``n`` blocks from the front into ``out[:n]``, each with ref count 1; returns the raised ``lo``.
 
@@ -195,7 +195,7 @@ def pop_front_n(prev, next_, ref_count, head, lo, n, out):
     return lo
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def pop_front_evict(prev, next_, ref_count, published, prio, expiry, head, lo, n, out, evicted):
     """:func:`pop_front_n` that also clears ``published`` (and the retention claim) of
     every popped block that had it and writes those blocks, in pop order, to
@@ -224,7 +224,7 @@ def pop_front_evict(prev, next_, ref_count, published, prio, expiry, head, lo, n
     return k, lo
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def free_many(prev, next_, ref_count, published, prio, expiry, head, lo, now, blocks, ttl):
     """Drop one reference from each of ``blocks`` in order (block 0 skipped).
 
@@ -251,7 +251,7 @@ def free_many(prev, next_, ref_count, published, prio, expiry, head, lo, now, bl
     return -1, freed, lo, k
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def set_retention(prev, next_, ref_count, published, prio, expiry, head, lo, blocks, priority, until, now, ttl):
     """Merge the claim ``(priority, until)`` into each published block of ``blocks``
     (spec/manager.md §14.3; block 0 and unpublished blocks skipped); a free one
@@ -275,7 +275,7 @@ def set_retention(prev, next_, ref_count, published, prio, expiry, head, lo, blo
     return lo, k
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def retain_free(prev, next_, ref_count, published, prio, expiry, head, lo, now, blocks, priority, until, ttl):
     """:func:`set_retention` of ``(priority, until)`` then :func:`free_many`, block by block in one
     pass (a request's release, spec/manager.md §6 and §14.2). The same state as the two calls in
@@ -302,7 +302,7 @@ def retain_free(prev, next_, ref_count, published, prio, expiry, head, lo, now, 
     return -1, freed, lo, k
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def walk(next_, head, tail, out):
     """Write the list's blocks front to back into ``out`` (sentinels skipped); returns their number."""
     k = 0
@@ -315,7 +315,7 @@ def walk(next_, head, tail, out):
     return k
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def walk_nodes(next_, head, tail, out):
     """Write every node from ``head`` to ``tail`` (sentinels included) into ``out``; returns their number
     (stops at ``out``'s length: a broken chain cannot loop forever)."""
@@ -330,7 +330,7 @@ def walk_nodes(next_, head, tail, out):
     return k
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def touch_many(prev, next_, ref_count, blocks):
     """One more reference on each of ``blocks``; free ones leave the list.
 
@@ -351,7 +351,7 @@ def touch_many(prev, next_, ref_count, blocks):
     return revived
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def verify_run(tok, tok_len, blocks, toks):
     """How many leading ``blocks[i]`` store exactly ``toks[i]`` (spec/hashing.md §4 hit check).
 
@@ -369,7 +369,7 @@ def verify_run(tok, tok_len, blocks, toks):
     return blocks.shape[0]
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def publish_rows(tok, tok_len, published, blocks, toks):
     """Store ``toks[i]`` as the tokens of ``blocks[i]`` and mark it published.
 

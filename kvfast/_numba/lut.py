@@ -13,7 +13,7 @@ from numba import njit
 __all__ = ["fill_lut"]
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def fill_lut(flat, widths, cols):
     """``uint32 [widths.size, cols]``: row ``i`` = ``flat[sum(widths[:i]) : sum(widths[:i + 1])]`` then 0."""
     n = widths.shape[0]

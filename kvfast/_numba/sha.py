@@ -47,7 +47,7 @@ _update = types.ExternalFunction("SHA256_Update", types.int32(types.voidptr, typ
 _final = types.ExternalFunction("SHA256_Final", types.int32(types.voidptr, types.voidptr))
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def _chain_kernel(parent, data, step, n, out):
     """``out[i] = sha256(out[i-1] + data[i*step:(i+1)*step])`` with ``out[-1] = parent``.
 

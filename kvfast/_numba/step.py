@@ -29,7 +29,7 @@ __all__ = [
 _INT32_MAX = 2**31 - 1
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def check_slots(slots, max_seqs, mark, first, gen):
     """First slot out of range or duplicated, in row order.
 
@@ -48,7 +48,7 @@ def check_slots(slots, max_seqs, mark, first, gen):
     return OK, 0, 0
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def check_step(cu, past, slots, seq, max_seqs, max_seq_len, mark, first, gen):
     """Validate ``(cu_seqlens_q, past_len, slot_ids)`` (lengths already checked).
 
@@ -79,7 +79,7 @@ def check_step(cu, past, slots, seq, max_seqs, max_seq_len, mark, first, gen):
     return OK, 0, 0
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def blocks_needed(slots, new_len, nblk, block_size, add):
     """``add[i] = max(ceil(new_len[i] / block_size) - nblk[slot_i], 0)``; returns the sum."""
     total = 0
@@ -92,7 +92,7 @@ def blocks_needed(slots, new_len, nblk, block_size, add):
     return total
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def step_blocks_needed(cu, past, slots, nblk, block_size, add):
     """:func:`blocks_needed` with ``new_len[i] = past[i] + cu[i + 1] - cu[i]``."""
     total = 0
@@ -105,7 +105,7 @@ def step_blocks_needed(cu, past, slots, nblk, block_size, add):
     return total
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def grow_rows(slots, add, blocks, table, nblk):
     """Append ``add[i]`` blocks of ``blocks`` (handed out in row order) to row ``slots[i]``."""
     k = 0
@@ -118,7 +118,7 @@ def grow_rows(slots, add, blocks, table, nblk):
         nblk[s] = start + add[i]
 
 
-@njit(nogil=True, cache=True)
+@njit(cache=True)
 def build_indices(cu, past, slots, table, enc, block_size, max_seq_len, paged, cu_q, past_o, used, cu_k, slot_o,
                   bi, pos, sm, init, cross, logits, rows):
     """Write every ``StepIndices`` array of a validated step, in one pass.
