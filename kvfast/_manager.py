@@ -437,7 +437,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                 if (ctx._length - 1) // page == k + 1 == req.committed + 1 and filled == k + 1:
                     # A decode step filled one block (blocks before it committed): the policy's
                     # commit of it in every paged leaf, then its checkpoint and slide
-                    # (spec/manager.md §5.1-§5.3, in that order).
+                    # (spec/manager.md §5.1 to spec/manager.md §5.3, in that order).
                     req.step_gen += 1
                     self._fill_leaves(req, ctx, k)
                     if self._state_ids:
