@@ -557,12 +557,6 @@ class BlockPool:
             tokens = np.asarray(tokens, dtype=np.int32).ravel()  # (_publish copies them into the table)
         return self._publish(block, block_hash if type(block_hash) is bytes else bytes(block_hash), tokens)
 
-    def publish_tokens(self, block: int, block_hash: bytes, tokens: np.ndarray) -> int:
-        """:meth:`publish` with ``block_hash`` as bytes and the tokens as int32 ``[w]``."""
-        if self.block_hash[block] is not None:
-            return block
-        return self._publish(block, block_hash, tokens)
-
     def _publish(self, block: int, h: bytes, toks: np.ndarray) -> int:
         """Publish unpublished ``block`` under ``h`` with int32 ``toks``: itself, a twin, or
         ``block`` unpublished at a collision. One probe: ``block`` is unpublished, so no entry
@@ -586,7 +580,7 @@ class BlockPool:
         return block
 
     def publish_run(self, blocks: list[int], hashes: list[bytes], data) -> list[int]:
-        """:meth:`publish_tokens` for each ``blocks[j]`` under ``hashes[j]`` with
+        """:meth:`publish` for each ``blocks[j]`` under ``hashes[j]`` with
         tokens ``data[j*s:(j+1)*s]`` (``s = len(data) // len(blocks)``), in order,
         as one chain: it stops at the first **collision** (a hash held by other
         tokens; that block and every later one stay unpublished, so no page joins

@@ -418,13 +418,14 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         slides through the policy's own methods; any other goes to the policy (which raises, adopts a
         replacement, polls a load, clears the admission's flags or commits several blocks)."""
         req = self._requests.get(ctx.request_id)
-        if req is not None and req.ctx is ctx and req.settled:
-            page = self._page
-            processed = ctx._processed
+        page = self._page
+        processed = ctx._processed
+        # the rows cover the forward (every paged row has the anchor's length); else the policy raises
+        if req is not None and req.ctx is ctx and req.settled and processed <= len(req.rows[self._anchor_id]) * page:
             filled = processed // page
-            if processed <= len(req.rows[self._anchor_id]) * page and (not self._caching or (
+            if not self._caching or (
                     min(filled, (ctx._length - 1) // page) <= req.committed  # spec/manager.md §5.1: nothing to publish
-                    and (not self._state_ids or not processed or processed % page))):  # spec/manager.md §5.2
+                    and (not self._state_ids or not processed or processed % page)):  # spec/manager.md §5.2
                 nulled = req.nulled
                 for lid, window in self._windows:
                     if filled - window > nulled.get(lid, 0):
@@ -432,19 +433,17 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                 else:
                     req.step_gen += 1
                     return
-            elif self._caching and processed <= len(req.rows[self._anchor_id]) * page:
-                k = len(req.hashes)
-                if (ctx._length - 1) // page == k + 1 == req.committed + 1 and filled == k + 1:
-                    # A decode step filled one block (blocks before it committed): the policy's
-                    # commit of it in every paged leaf, then its checkpoint and slide
-                    # (spec/manager.md §5.1 to spec/manager.md §5.3, in that order).
-                    req.step_gen += 1
-                    self._fill_leaves(req, ctx, k)
-                    if self._state_ids:
-                        self._checkpoint(req, ctx)
-                    if self._windows:
-                        self._slide(req, ctx)
-                    return
+            elif (ctx._length - 1) // page == len(req.hashes) + 1 == req.committed + 1 == filled:
+                # A decode step filled one block (blocks before it committed): the policy's commit
+                # of it in every paged leaf, then its checkpoint and slide (spec/manager.md §5.1 to
+                # spec/manager.md §5.3, in that order).
+                req.step_gen += 1
+                self._fill_leaves(req, ctx, filled - 1)
+                if self._state_ids:
+                    self._checkpoint(req, ctx)
+                if self._windows:
+                    self._slide(req, ctx)
+                return
         return super().step(ctx)
 
     def _fill_leaves(self, req, ctx: TextContext, i: int) -> None:
@@ -461,13 +460,11 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         hashes.append(h)  # req.hashes is the request's own list (never shared)
         if not self._parent_published(req, i):
             return  # spec/manager.md §5.1: the parent lost a collision; the chain is not published
-        pools, rows, anchor, single = self._pools[req.replica], req.rows, self._anchor, self._single
+        pools, rows, anchor = self._pools[req.replica], req.rows, self._anchor
         for leaf in self._commit_order:
             pool, row = pools[leaf.leaf_id], rows[leaf.leaf_id]
             b = row[i]
-            # b: published now or already, or a collision (one full leaf: kvfast's own pool, which
-            # takes the hash and the int32 tokens as they are)
-            c = pool.publish_tokens(b, h, toks) if single else pool.publish(b, h, toks)
+            c = pool.publish(b, h, toks)  # b: published now or already, or a collision
             if c != b:  # twin dedup (_publish_or_twin): the published copy replaces ours
                 pool.touch(c)
                 row[i] = c
