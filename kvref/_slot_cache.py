@@ -18,7 +18,7 @@ The hash chain is ``kvspec.hashing``.
 
 from __future__ import annotations
 
-from array import array
+import struct
 from collections import OrderedDict
 from typing import Callable, Sequence
 
@@ -69,18 +69,32 @@ def _exact_int64(value) -> np.ndarray | None:
     """A list or tuple of integers starting with a Python int, as int64; else None.
 
     The common input (a list of Python ints) without NumPy's per-element type
-    discovery: ``array('q', ...)`` converts exactly and refuses floats,
-    strings, nesting and values beyond int64, which then take the general path
-    and its messages. A first element that is a Python ``int`` (not a bool)
-    means the list is integer-typed for ``np.asarray`` too (bools mixed with
-    ints become ints), so both paths give the same values.
+    discovery: one ``struct`` pack of ``len(value)`` native int64 into a fresh
+    array converts exactly and refuses floats, strings, nesting and values
+    beyond int64 (``struct.error``), which then take the general path and its
+    messages (``pack_into`` is about twice as fast as ``array('q', value)``).
+    A first element that is a Python ``int`` (not a bool) means the list is
+    integer-typed for ``np.asarray`` too (bools mixed with ints become ints),
+    so both paths give the same values.
     """
     if not value or type(value[0]) is not int:
         return None
+    n = len(value)
+    packer = _INT64_PACKERS.get(n)
+    if packer is None:
+        if len(_INT64_PACKERS) >= 256:  # bounded: a long run of distinct batch sizes starts over
+            _INT64_PACKERS.clear()
+        packer = _INT64_PACKERS[n] = struct.Struct(f"={n}q")
+    out = np.empty(n, np.int64)
     try:
-        return np.frombuffer(array("q", value), np.int64)
-    except (TypeError, OverflowError, ValueError):
+        packer.pack_into(out, 0, *value)
+    except (struct.error, TypeError, OverflowError, ValueError):
         return None
+    return out
+
+
+#: ``struct.Struct("=<n>q")`` by ``n``, for :func:`_exact_int64`.
+_INT64_PACKERS: dict[int, struct.Struct] = {}
 
 
 def _int_vector(api: str, name: str, value) -> np.ndarray:

@@ -92,14 +92,37 @@ def test_text_context_lifecycle():
         (lambda c: c.chunk(0), ValueError, "n=0"),
         (lambda c: c.advance_chunk(), ValueError, "no pending"),
         (lambda c: c.update(2**31), ValueError, "token="),
+        (lambda c: c.update(np.int64(2**31)), ValueError, "token=2147483648, must be <= 2147483647"),
+        (lambda c: c.update(np.uint64(2**63)), ValueError, "token=9223372036854775808"),
+        (lambda c: c.update(-(2**31) - 1), ValueError, "must be >= -2147483648"),
+        (lambda c: c.update(True), TypeError, "token=True, must be an int"),
+        (lambda c: c.update(np.True_), TypeError, "must be an int"),
+        (lambda c: c.update(7.0), TypeError, "token=7.0, must be an int"),
+        (lambda c: c.update("7"), TypeError, "must be an int"),
     ],
 )
 def test_text_context_errors_change_nothing(op, exc, match):
+    """Each refusal names the argument and leaves the context as it was (a NumPy integer token, a
+    sampler's output, is read as its Python int; a bool or a float is refused)."""
     c = TextContext("r", [1, 2, 3])
     before = (c.processed_length, c.active_length, list(c.tokens))
     with pytest.raises(exc, match=match):
         op(c)
     assert (c.processed_length, c.active_length, list(c.tokens)) == before
+
+
+def test_update_takes_numpy_integer_tokens():
+    """``update`` with a NumPy integer (``np.int64`` from a sampler, ``np.int32``, ``np.uint16``)
+    appends the same token as with the Python int; an int subclass is read as its value."""
+    import enum
+
+    class Tok(enum.IntEnum):
+        EOS = 2
+
+    c = TextContext("r", [1, 2, 3])
+    for t in (np.int64(-5), np.int32(2**31 - 1), np.uint16(7), np.int8(-(2**7)), Tok.EOS, 9):
+        c.update(t)
+    assert list(c.tokens) == [1, 2, 3, -5, 2**31 - 1, 7, -128, 2, 9] and c.active_length == 1
 
 
 @pytest.mark.parametrize(

@@ -274,3 +274,32 @@ def test_largest_max_seq_len_same_outcome_in_both_packages(a, b, c):
     for step in outcomes[0][1:3]:
         if step[0] == "ok":
             assert all(0 <= p < L for p in step[2]), "positions wrapped"
+
+
+@pytest.mark.parametrize("mode", [PAGED, CONTIG])
+@pytest.mark.parametrize("past_of_row_1", [
+    3, np.int64(3), True, 3.0, 2**63, -(2**63) - 1, "3", [3],
+], ids=["int", "np.int64", "bool", "float", "2**63", "-2**63-1", "str", "nested"])
+def test_list_inputs_match_their_numpy_arrays(mode, past_of_row_1):
+    """A list of Python ints takes ``prepare_step``'s packed int64 path; a list that path cannot
+    convert exactly (a float, a str, a nested list, a value beyond int64) falls back to NumPy's
+    conversion: either way the outcome (StepIndices, or exception type and message) is the one of
+    ``np.asarray`` of the same list, in both packages, and a raise leaves the cache unchanged."""
+    cu, past, slots = [0, 1, 2], [8, past_of_row_1], [0, 1]
+    outcomes = []
+    for pkg, cache in _pair(mode):
+        for form in ("list", "tuple", "numpy"):
+            if form == "numpy":
+                try:
+                    args = (np.asarray(cu), np.asarray(past), np.asarray(slots))
+                except (TypeError, ValueError, OverflowError):
+                    continue  # NumPy itself refuses the list (a nested one): the list forms are compared
+            else:
+                wrap = list if form == "list" else tuple
+                args = (wrap(cu), wrap(past), wrap(slots))
+            before = _observe(cache)
+            got = _outcome(lambda: cache.prepare_step(*args))
+            if got[0] == "raise":
+                assert _observe(cache) == before, f"{pkg.__name__} {form}: raised and changed the cache"
+            outcomes.append(got)
+    assert all(o == outcomes[0] for o in outcomes), outcomes

@@ -494,8 +494,10 @@ class TextContext:
     def update(self, token: int) -> None:
         """After a forward over the whole active region: append ``token`` and
         leave it as the only active token."""
-        if type(token) is not int or not -2147483648 <= token <= 2147483647:  # else check_int passes
-            check_int("TextContext.update", "token", token, low=-(2**31), high=2**31 - 1)
+        if type(token) is not int:  # a NumPy integer (a sampler's output) as a Python int; else the message
+            token = int(token) if isinstance(token, np.integer) else check_int("TextContext.update", "token", token)
+        if not -2147483648 <= token <= 2147483647:
+            check_int("TextContext.update", "token", token, low=-(2**31), high=2**31 - 1)  # raises ValueError
         n = self._length  # the per-token path: each attribute read once
         if n != self._processed + self._active:  # pending_length, inlined
             raise ValueError(
