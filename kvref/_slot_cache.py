@@ -18,14 +18,13 @@ The hash chain is ``kvspec.hashing``.
 
 from __future__ import annotations
 
-import struct
 from collections import OrderedDict
 from typing import Callable, Sequence
 
 import numpy as np
 
 from kvspec import CapacityError, KVCacheConfig, KVCacheMode, KVLayerSpec, LayerKind, StepIndices
-from kvspec._interop import host_array
+from kvspec._interop import host_array, int64_from_ints
 from kvspec._config import INT32_MAX, parse_device
 from kvspec._dtypes import is_fp8
 from kvspec.engine import (
@@ -65,44 +64,11 @@ def _check_scalar(api: str, name: str, value) -> int:
     return int(value)
 
 
-def _exact_int64(value) -> np.ndarray | None:
-    """A list or tuple of integers starting with a Python int, as int64; else None.
-
-    The common input (a list of Python ints) without NumPy's per-element type
-    discovery: one ``struct`` pack of ``len(value)`` native int64 into a fresh
-    array converts exactly and refuses floats, strings, nesting and values
-    beyond int64 (``struct.error``), which then take the general path and its
-    messages (``pack_into`` is about twice as fast as ``array('q', value)``).
-    A first element that is a Python ``int`` (not a bool) means the list is
-    integer-typed for ``np.asarray`` too (bools mixed with ints become ints),
-    so both paths give the same values.
-    """
-    if not value or type(value[0]) is not int:
-        return None
-    n = len(value)
-    packer = _INT64_PACKERS.get(n)
-    if packer is None:
-        if len(_INT64_PACKERS) >= 256:  # bounded: a long run of distinct batch sizes starts over
-            _INT64_PACKERS.clear()
-        packer = _INT64_PACKERS[n] = struct.Struct(f"={n}q")
-    out = np.empty(n, np.int64)
-    try:
-        packer.pack_into(out, 0, *value)
-    except (struct.error, TypeError, OverflowError, ValueError):
-        return None
-    return out
-
-
-#: ``struct.Struct("=<n>q")`` by ``n``, for :func:`_exact_int64`.
-_INT64_PACKERS: dict[int, struct.Struct] = {}
-
-
 def _int_vector(api: str, name: str, value) -> np.ndarray:
     """A 1-D host integer array as int64: ``TypeError`` for floats/bools, ``ValueError`` for ndim."""
-    if isinstance(value, (list, tuple)):
-        fast = _exact_int64(value)
-        if fast is not None:
-            return fast
+    arr = int64_from_ints(value)  # a list of Python ints, packed; else NumPy's conversion
+    if arr is not None:
+        return arr
     arr = np.asarray(value)
     if arr.size == 0 and arr.dtype.kind == "f":
         arr = arr.astype(np.int64)  # np.asarray([]) is float64; an empty list is an empty int list

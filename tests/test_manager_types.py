@@ -128,11 +128,24 @@ def test_update_takes_numpy_integer_tokens():
 @pytest.mark.parametrize(
     "args, exc",
     [((1, [1]), TypeError), (("r", []), ValueError), (("r", [[1]]), ValueError), (("r", [1.5]), TypeError),
-     (("r", [2**40]), ValueError)],
+     (("r", [2**40]), ValueError), (("r", [1, [2]]), ValueError), (("r", [1, 2.5]), TypeError),
+     (("r", [1, "x"]), TypeError), (("r", (1, 2**63)), TypeError)],
 )
 def test_text_context_construction_errors(args, exc):
-    with pytest.raises(exc):
+    """Each refusal names ``TextContext`` and the argument (a list of Python ints takes the packed
+    conversion; one it cannot pack exactly falls back to NumPy's and its checks)."""
+    with pytest.raises(exc, match=r"^TextContext: (tokens|request_id)"):
         TextContext(*args)
+
+
+@pytest.mark.parametrize("tokens", [[5, 6, 7], (5, 6, 7), [5, True, 7], [5, np.int64(6), 7], np.array([5, 6, 7]),
+                                    [np.int32(5), 6, 7], range(5, 8)])
+def test_text_context_token_forms(tokens):
+    """Lists and tuples of ints (packed), arrays and other sequences (NumPy's conversion) give the
+    same int32 tokens; bools mixed in are ints, as in ``np.asarray``."""
+    c = TextContext("r", tokens)
+    want = np.asarray(list(tokens), dtype=np.int64).astype(np.int32)
+    assert c.tokens.dtype == np.int32 and c.tokens.tolist() == want.tolist() and c.active_length == 3
 
 
 def test_counts_and_metrics():

@@ -12,6 +12,7 @@ import numpy as np
 
 from ._config import check_int
 from ._dtypes import FP8_DTYPES, KV_DTYPES, STATE_DTYPES, dtype_name, resolve_dtype
+from ._interop import int64_from_ints
 from . import retention as _retention
 from .hashing import HASH_ALGOS, salt_bytes
 
@@ -401,7 +402,12 @@ class TextContext:
         retention_seconds = _retention.check_seconds(o, retention_seconds)
         if not isinstance(request_id, str):
             raise TypeError(f"{o}: request_id={request_id!r}, must be a str")
-        arr = np.asarray(tokens)
+        arr = int64_from_ints(tokens)  # a list of Python ints (a tokenizer's output), packed
+        if arr is None:
+            try:
+                arr = np.asarray(tokens)
+            except (ValueError, TypeError, OverflowError) as e:  # ragged nesting: NumPy's words, our name
+                raise ValueError(f"{o}: tokens={tokens!r:.80} is not a 1-D integer sequence ({e})") from None
         if arr.ndim != 1 or arr.size == 0:
             raise ValueError(f"{o}: tokens shape={arr.shape}, must be 1-D and non-empty")
         if not np.issubdtype(arr.dtype, np.integer):
