@@ -33,7 +33,7 @@ def int64_from_ints(value) -> np.ndarray | None:
     the list is integer-typed for ``numpy.asarray`` too (bools mixed with ints
     become ints), so both paths give the same values.
     """
-    if type(value) is not list and type(value) is not tuple or not value or type(value[0]) is not int:
+    if (type(value) is not list and type(value) is not tuple) or not value or type(value[0]) is not int:
         return None
     n = len(value)
     packer = _INT64_PACKERS.get(n)

@@ -406,7 +406,7 @@ class TextContext:
         if arr is None:
             try:
                 arr = np.asarray(tokens)
-            except (ValueError, TypeError, OverflowError) as e:  # ragged nesting: NumPy's words, our name
+            except ValueError as e:  # ragged nesting: NumPy's words, our name
                 raise ValueError(f"{o}: tokens={tokens!r:.80} is not a 1-D integer sequence ({e})") from None
         if arr.ndim != 1 or arr.size == 0:
             raise ValueError(f"{o}: tokens shape={arr.shape}, must be 1-D and non-empty")
