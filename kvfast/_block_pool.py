@@ -65,9 +65,10 @@ _consume = deque(maxlen=0).extend
 
 
 def _rows(data, n: int) -> np.ndarray:
-    """Tokens of ``n`` equal blocks as int32 ``[n, w]``: from int32 little-endian bytes or an int32 array."""
+    """Tokens of ``n`` equal blocks as int32 ``[n, w]``: from int32 little-endian bytes or an integer
+    array (an int32 one in place), so the verifications compare int32 runs (``BlockPool._holds``)."""
     if isinstance(data, np.ndarray):
-        return data.reshape(n, -1)
+        return data.reshape(n, -1).astype(np.int32, copy=False)
     w = len(data) // (4 * n)
     return np.frombuffer(data, "<i4", n * w).reshape(n, w)
 
@@ -600,7 +601,7 @@ class BlockPool:
             b = blocks[0]
             if self.block_hash[b] is not None:
                 return [b]
-            c = self._publish(b, hashes[0], _rows(data, 1)[0].astype(np.int32, copy=False))
+            c = self._publish(b, hashes[0], _rows(data, 1)[0])
             return [] if c == b and self.block_hash[b] is None else [c]
         toks = _rows(data, n)
         w = toks.shape[1]
@@ -613,7 +614,7 @@ class BlockPool:
             arr = np.fromiter(blocks, np.int64, n)
             if w > self._tok.shape[1]:
                 self._store(arr[:0], toks[:0])  # widen the table
-            if _fl.publish_rows(self._tok, self._tok_len, self._published, arr, toks.astype(np.int32, copy=False)):
+            if _fl.publish_rows(self._tok, self._tok_len, self._published, arr, toks):
                 before = len(idx)
                 got = list(map(idx.setdefault, hashes, blocks))
                 if len(idx) - before == n:
@@ -635,8 +636,7 @@ class BlockPool:
             # twin whose stored tokens match (one kernel call verifies them all) and stop at
             # the first that does not (a collision); the fresh tail is the common case.
             canon = got[:t]
-            ok = _fl.verify_run(self._tok, self._tok_len, np.fromiter(canon, np.int64, t),
-                                toks[:t].astype(np.int32, copy=False))
+            ok = _fl.verify_run(self._tok, self._tok_len, np.fromiter(canon, np.int64, t), toks[:t])
             if ok < t:
                 return canon[:ok]
             return canon + (self.publish_run(blocks[t:], hashes[t:], toks[t:].reshape(-1)) if fresh else [])
@@ -679,8 +679,7 @@ class BlockPool:
             if self._tok.shape[1] < w:
                 ok = 0
             else:
-                ok = _fl.verify_run(self._tok, self._tok_len, np.fromiter(blocks, np.int64, k),
-                                    toks.astype(np.int32, copy=False))
+                ok = _fl.verify_run(self._tok, self._tok_len, np.fromiter(blocks, np.int64, k), toks)
             del blocks[ok:]
         return blocks
 

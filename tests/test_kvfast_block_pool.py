@@ -203,3 +203,39 @@ def test_copies_are_independent_pools():
         fresh = q.allocate_one()
         q.check_invariants({held[0]: 1, held[2]: 1, fresh: 1})
         assert (p.ref_count.tolist(), p.free_order(), dict(p.hash_to_block)) == before
+
+
+@pytest.mark.parametrize("form", ["int32", "int64", "list"])
+def test_token_verification_reads_values_in_any_token_form(form):
+    """The fast pool verifies stored tokens by comparing int32 runs (their bytes): tokens handed
+    as an int32 array, an int64 array (or, for one block, a list) are read as the same int32
+    values, so hits, twins and collisions come out as in the reference pool for every form."""
+    toks = np.array([5, 6, 7, 8], np.int32)
+    other = np.array([5, 6, 7, 9], np.int32)
+
+    def run(a):
+        return a.astype(np.int64) if form == "int64" else a
+
+    def one(a):
+        return {"int32": a, "int64": a.astype(np.int64), "list": a.tolist()}[form]
+
+    hs = [b"a" * 4, b"b" * 4]
+    out = []
+    for pool in (ref_mod.BlockPool(12), FastPool(12)):
+        mine, twins, third = pool.allocate(2), pool.allocate(2), pool.allocate(1)
+        got = [pool.publish_run(mine, hs, run(toks))]
+        got.append(pool.publish_run(twins, hs, run(toks)))  # same hashes and tokens: the published twins
+        got.append(pool.lookup_run(hs, run(toks)))  # both blocks hit
+        got.append(pool.lookup_run(hs, run(other)))  # the second block's tokens differ: one hit
+        got.append([pool.lookup(h, one(toks[2 * i : 2 * i + 2])) for i, h in enumerate(hs)])
+        got.append([pool.lookup(h, one(other[2 * i : 2 * i + 2])) for i, h in enumerate(hs)])
+        got.append(pool.publish(third[0], hs[1], one(other[2:])))  # hs[1] held by other tokens: a collision
+        # a fresh block, then one whose hash and tokens are published (the block-by-block path)
+        hs2, tail = [b"c" * 4, b"d" * 4], pool.allocate(1)
+        got.append(pool.publish_run(tail, hs2[1:], run(toks[2:])))
+        pair = pool.allocate(2)
+        got.append(pool.publish_run(pair, hs2, run(toks)))
+        out.append(got)
+    assert out[0] == out[1]
+    assert out[1][:6] == [[1, 2], [1, 2], [1, 2], [1], [1, 2], [1, None]] and out[1][6] == 5
+    assert out[1][7] == [6] and out[1][8] == [7, 6]  # the second block of the pair is the twin
