@@ -55,6 +55,7 @@ from kvspec.errors import InsufficientBlocksError, insufficient_blocks_message
 
 import kvref
 
+from ._block_pool import _ids
 from ._manager_engine import CudaManagerEngine, FastManagerEngine
 from ._slot_cache import require_cuda
 
@@ -588,7 +589,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         row = req.rows[self._conn_leaf]
         if row:
             # spec/manager.md §6: tail first, so a chain's tail is evicted before its head.
-            pages = np.fromiter(reversed(row), np.int64, len(row))
+            pages = _ids(row[::-1])  # int64 ids, converted once for the kernel call
             self._let_go(self._pools[req.replica][self._conn_leaf], pages, req.ctx)  # spec/manager.md §14.2
         if self._uses_connector and req.committed:
             self._tier_touch(req.replica, req.hashes[: req.committed])
