@@ -410,7 +410,7 @@ class BlockPool:
                 revived += self.ref_count[b] == 0
                 self.touch(b)
             return int(revived)
-        arr = _ids(blocks) if type(blocks) is list else np.asarray(blocks, dtype=np.int64)
+        arr = _ids(blocks)
         if arr.size == 0:
             return 0
         revived = _fl.touch_many(self._prev, self._next, self.ref_count, arr)
