@@ -450,8 +450,8 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
     def _fill_leaves(self, req, ctx: TextContext, i: int) -> None:
         """spec/manager.md §5.1 for block ``i`` of every paged leaf (a decode step just filled it,
         blocks before are committed): hash it, publish it leaf by leaf in the policy's commit order
-        (the anchor first: its collision stops the chain, nothing else is published), twin dedup
-        (as ``_publish_or_twin``), queue it for offload."""
+        (the anchor first: its collision stops the chain, nothing else is published) with the
+        policy's twin dedup (``_publish_or_twin``), queue it for offload."""
         page = self._page
         toks = ctx._tokens[i * page : (i + 1) * page]  # native int32: the verified tokens
         # spec/manager.md §3.1 (spec/hashing.md): the hash input goes through kvspec.hashing.tokens_to_bytes.
@@ -465,12 +465,8 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         for leaf in self._commit_order:
             pool, row = pools[leaf.leaf_id], rows[leaf.leaf_id]
             b = row[i]
-            c = pool.publish(b, h, toks)  # b: published now or already, or a collision
-            if c != b:  # twin dedup (_publish_or_twin): the published copy replaces ours
-                pool.touch(c)
-                row[i] = c
-                pool.free([b])
-            elif leaf is anchor and pool.block_hash[b] is None:
+            row[i] = c = self._publish_or_twin(pool, b, h, toks)  # b, or the twin that replaces it
+            if c == b and leaf is anchor and pool.block_hash[b] is None:
                 return  # a collision of the anchor: the block is retried at the next step
         req.committed = i + 1
         if self._uses_connector:  # spec/manager.md §9.2: queued for the next post
