@@ -19,19 +19,22 @@ is decided at construction:
   growth of a request past its admission (``alloc``: the drain, the sizing of every
   paged row from one slab, the count; with drafts the rows cover ``seq_len``, and a
   row past it rolls back through the policy), the step that fills no page,
-  checkpoints no state and slides no window (``step``: the count), the one-block
-  commit of a decode step (``step``: the block hashed once and published in every
-  paged leaf, then the policy's own checkpoint and slide), and the forward's inputs
-  (``runtime_inputs``: the batch's checks and one lookup table per leaf in a few
-  C-level passes; the drafts' lengths; FP8's scale fields);
-* one full-attention leaf besides: the release (claim and free in one kernel
-  pass, ``BlockPool.retain_free``) and the
+  checkpoints no state and slides no window (``step``: the count), the forward's
+  inputs (``runtime_inputs``: the batch's checks and the lookup tables of the paged
+  leaves in one engine call, of the state leaves in another; the drafts' lengths;
+  FP8's scale fields) and the release (the rows let go leaf by leaf, the claim
+  merged);
+* every leaf set besides one full leaf: the step of a settled request that fills
+  pages (``step``: the one-block commit of a decode step hashed once and published
+  in every paged leaf, or the policy's ``_commit`` of several; then the policy's own
+  checkpoint and slide) and, without a connector, the admission's splice
+  (``alloc``: the policy's joint device hit, each leaf's part of it planned and
+  committed by the leaf, one slab check, the slab's draw per leaf; a hit a peer
+  replica extends goes to the policy);
+* one full-attention leaf: the commit of a step (one ``publish_run``), the release
+  (claim and free in one kernel pass, ``BlockPool.retain_free``) and the
   admission's splice (when no peer replica holds the block after the local run and
   the tiers hold nothing past it: one connector lookup).
-
-The lanes read one field of the request record, ``settled`` (no load of its
-own, no external stage due, not a dummy row; spec/manager.md §2), instead of
-its five flags.
 """
 
 from __future__ import annotations
@@ -67,6 +70,21 @@ _DONE = CompletedTransfer()
 
 def _sha256_digest(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
+
+
+class _Splice:
+    """The hit part of an admission that the leaves plan and commit (``Leaf.plan_hit``,
+    ``Leaf.commit_hit``, ``Leaf.first_state_copy``): per leaf, the spliced row and its nulled slots
+    (paged leaves), the checkpoint to restore (recurrent leaves); no peer part (spec/manager.md §4.5)."""
+
+    __slots__ = ("rows", "nulled", "restore", "leaf_peer", "restore_peer")
+
+    def __init__(self):
+        self.rows: dict[str, list[int]] = {}
+        self.nulled: dict[str, int] = {}
+        self.restore: dict[str, int] = {}
+        self.leaf_peer: dict = {}
+        self.restore_peer: dict = {}
 
 
 class PagedKVCacheManager(kvref.PagedKVCacheManager):
@@ -173,13 +191,20 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                 # spec/manager.md §15: with drafts the rows cover seq_len; a row past its need rolls
                 # back (the policy's trim)
                 short = (processed + active if not self._drafts else self._seq_len(ctx)) - len(row) * page
-                if row and ctx._length <= self._max_seq_len and processed >= req.committed * page and (
-                        not self._state_ids or self._states_live(req)) and (short > -page or not self._drafts):
+                # the shortest state row: 0 (an empty one gets a fresh, zeroed state from the policy,
+                # spec/manager.md §4.7), below _state_len (a successor to draw, spec/manager.md §5.2)
+                states = self._state_len
+                for lid in self._state_ids:  # (inline: a decode step's check)
+                    n = len(req.rows[lid])
+                    if n < states:
+                        states = n
+                if row and ctx._length <= self._max_seq_len and processed >= req.committed * page and states and (
+                        short > -page or not self._drafts):
                     if self._loads or self._offloads and self._completions_moved():
                         self._drain()  # spec/manager.md §9.2: finished transfers land before the sizing
                     # Not at the reuse point (the row holds pages): only growth, no splice; every
                     # paged row has the anchor's length (spec/manager.md §4.6).
-                    if (short > 0 or self._state_ids and self._states_short(req)) and not self._grow_rows(
+                    if (short > 0 or states < self._state_len) and not self._grow_rows(
                             req, row, -(-short // page) if short > 0 else 0):
                         return super().alloc(ctx)  # short of pages: the policy waits for offloads or raises
                     self._metrics.input_tokens += req.count_forward(active)  # spec/manager.md §4.9
@@ -198,24 +223,6 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         completion count moved since its last poll, or the connector keeps none. False means
         the drain would change nothing, so it is skipped."""
         return self._completions is None or self._completions() != self._completions_seen
-
-    def _states_live(self, req) -> bool:
-        """Every state row holds its live page (an empty one gets a fresh, zeroed state from the
-        policy: spec/manager.md §4.7)."""
-        rows = req.rows
-        for lid in self._state_ids:
-            if not rows[lid]:
-                return False
-        return True
-
-    def _states_short(self, req) -> bool:
-        """Some state row lacks its successor page (with prefix caching a state row holds the live
-        page and a successor, spec/manager.md §5.2): the sizing draws one."""
-        rows, full = req.rows, self._state_len
-        for lid in self._state_ids:
-            if len(rows[lid]) < full:
-                return True
-        return False
 
     def _grow_rows(self, req, row: list[int], need: int) -> bool:
         """The sizing of a ``running`` request (spec/manager.md §4.6): ``need`` pages onto every
@@ -257,7 +264,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         """The admission of one full leaf on one replica (spec/manager.md §4): the splice of the
         device hit, the sizing and, with a connector, the external stage when the tiers hold
         nothing past the hit (one lookup); anything else is the policy's."""
-        if not self._single or self._loads:
+        if self._loads or not self._single and (not self._lane or self._uses_connector):
             return super().alloc(ctx, defer_lookup=defer_lookup)
         op = "alloc"
         # spec/manager.md §4.1: every argument is checked before the stored context may be replaced.
@@ -275,6 +282,8 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             return self._size_dummy(req)
         if self._offloads and self._completions_moved():
             self._drain()  # spec/manager.md §9.2: finished transfers land before anything is sized
+        if not self._single:
+            return self._splice_leaves(req, ctx, defer_lookup)
         leaf_id = self._conn_leaf
         r = req.replica
         pool = self._pools[r][leaf_id]
@@ -347,6 +356,78 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         m.input_tokens += req.count_forward(ctx.active_length)  # spec/manager.md §4.9
         return _DONE
 
+    def _splice_leaves(self, req, ctx: TextContext, defer_lookup: bool) -> KVTransfer:
+        """The admission of several leaves on any replica count without a connector (spec/manager.md §4,
+        the policy's ``_plan_alloc`` then ``_commit_alloc`` for a fresh request): the joint device hit
+        (the policy's ``_device_hit``, each leaf's part and its commit by the leaf's own methods), the
+        sizing of every leaf from one slab (checked together, spec/manager.md §13.3), a fresh live
+        state for each recurrent leaf (spec/manager.md §4.7), the count. A request past its reuse point
+        and a hit that reaches past the local run (a peer's copies, spec/manager.md §7.3) are the
+        policy's."""
+        page = self._page
+        if not self._caching or ctx._processed or any(req.rows.values()):
+            return super().alloc(ctx, defer_lookup=defer_lookup)  # not at the reuse point (spec/manager.md §3.3)
+        r = req.replica
+        tokens = ctx._tokens[: ctx._length]  # ctx.tokens without building its read-only view
+        hashes = self._hashes_for(ctx, req.hashes)
+        cap = min(len(hashes), (ctx._active - 1) // page)
+        resident = self._resident(r, hashes, tokens)
+        k, reach = self._device_hit(r, hashes, tokens, cap, resident)
+        if reach > k:
+            return super().alloc(ctx, defer_lookup=defer_lookup)  # peer copies past the local hit
+        # spec/manager.md §4.5: each leaf's part of the hit, planned by the leaf
+        hit = _Splice()
+        touched = {}
+        for leaf in self._leaves:
+            pages = leaf.hit_pages(k, resident[leaf.leaf_id])
+            leaf.plan_hit(hit, k, pages)
+            touched[leaf.leaf_id] = pages
+        # spec/manager.md §4.6: size every leaf, all or nothing, after the hit took its pages
+        required = self._required_blocks(ctx)
+        pools, caching = self._pools[r], self._caching
+        need = {}
+        for leaf in self._leaves:
+            lid = leaf.leaf_id
+            row = hit.rows.get(lid)
+            need[lid] = n = max(leaf.grow_need(len(row) if row is not None else 0, required, caching), 0)
+            if not self._slabs and n:
+                pool = pools[lid]
+                free = pool.num_free - (pool.count_free(touched[lid]) if touched[lid] else 0)
+                if n > free:
+                    self._raise_short(ctx, r, lid, n, free, touched[lid])
+        if self._slabs:
+            self._check_slab(ctx, r, need, touched)  # spec/manager.md §13.3
+        # ---- commit (nothing below can fail)
+        for leaf in self._leaves:
+            leaf.commit_hit(req, hit, pools[leaf.leaf_id], k)
+        req.hashes, req.committed = hashes, k
+        if k:
+            ctx.skip_processing(k * page)
+        ctx.cached_prefix_length = k * page
+        ctx.cached_prefix_external_length = 0
+        m = self._metrics
+        m.cache_tokens += k * page
+        m.device_blocks_served += k
+        req.ext_point = True
+        # (the spliced rows hold at most `required` blocks: k < len(ctx) / page, nothing to roll back)
+        copies = []
+        # (the slab's draw itself: the joint check above is the one its leaf pools would repeat)
+        draw = self._slabs[r].allocate if self._slabs else None
+        for leaf in self._leaves:  # spec/manager.md §4.6: the sizing's pages, in leaf order
+            lid = leaf.leaf_id
+            n = need[lid]
+            if not n:
+                continue
+            row = req.rows[lid]
+            pages = [pools[lid].allocate_one()] if n == 1 else draw(lid, n) if draw else pools[lid].allocate(n)
+            copy = leaf.first_state_copy(row, pages, hit, req)  # spec/manager.md §4.7: a new live state
+            row.extend(pages)
+            if copy is not None:
+                copies.append(copy)
+        self._run_copies(req, copies)
+        m.input_tokens += req.count_forward(ctx._active)  # spec/manager.md §4.9
+        return _DONE
+
     def step(self, ctx: TextContext) -> None:
         """Commit what the forward wrote (call after ``ctx.update``); same contract as the reference."""
         if type(ctx) is not TextContext or not self._lane:
@@ -413,38 +494,41 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             self._offload_queue[req.replica].append((hashes[lo:stop], toks))
 
     def _step_leaves(self, ctx: TextContext) -> None:
-        """``step`` with several leaves: a step of a ``settled`` request (spec/manager.md §2) that fills
-        no page, checkpoints no state and slides no window only counts the forward (spec/manager.md §5);
-        one whose decode filled exactly one block commits it (``_fill_leaves``), then checkpoints and
-        slides through the policy's own methods; any other goes to the policy (which raises, adopts a
-        replacement, polls a load, clears the admission's flags or commits several blocks)."""
+        """``step`` with several leaves, for a ``settled`` request (spec/manager.md §2) whose rows cover
+        the forward: a step that fills no page, checkpoints no state and slides no window only counts
+        the forward (spec/manager.md §5); any other commits the filled blocks of every paged leaf (one
+        filled by a decode step: ``_fill_leaves``; several: the policy's ``_commit``), then checkpoints
+        and slides through the policy's own methods. Any other request goes to the policy (which
+        raises, adopts a replacement, polls a load or clears the admission's flags)."""
         req = self._requests.get(ctx.request_id)
         page = self._page
         processed = ctx._processed
         # the rows cover the forward (every paged row has the anchor's length); else the policy raises
         if req is not None and req.ctx is ctx and req.settled and processed <= len(req.rows[self._anchor_id]) * page:
             filled = processed // page
-            if not self._caching or (
+            caching = self._caching
+            if not caching or (
                     min(filled, (ctx._length - 1) // page) <= req.committed  # spec/manager.md §5.1: nothing to publish
                     and (not self._state_ids or not processed or processed % page)):  # spec/manager.md §5.2
                 nulled = req.nulled
                 for lid, window in self._windows:
                     if filled - window > nulled.get(lid, 0):
-                        break  # spec/manager.md §5.3: blocks left the window, the policy frees them
+                        break  # spec/manager.md §5.3: blocks left the window, the slide frees them
                 else:
                     req.step_gen += 1
                     return
-            elif (ctx._length - 1) // page == len(req.hashes) + 1 == req.committed + 1 == filled:
-                # A decode step filled one block (blocks before it committed): the policy's commit
-                # of it in every paged leaf, then its checkpoint and slide (spec/manager.md §5.1 to
-                # spec/manager.md §5.3, in that order).
-                req.step_gen += 1
-                self._fill_leaves(req, ctx, filled - 1)
-                if self._state_ids:
-                    self._checkpoint(req, ctx)
-                if self._windows:
-                    self._slide(req, ctx)
-                return
+            # spec/manager.md §5.1 to spec/manager.md §5.3, in that order: the commit in every paged
+            # leaf, the checkpoint, the slide (the policy's step for a settled request)
+            req.step_gen += 1
+            if caching and (ctx._length - 1) // page == len(req.hashes) + 1 == req.committed + 1 == filled:
+                self._fill_leaves(req, ctx, filled - 1)  # a decode step filled one block
+            else:
+                self._commit(req, ctx)  # several blocks (a prefill), or none
+            if self._state_ids:
+                self._checkpoint(req, ctx)
+            if self._windows:
+                self._slide(req, ctx)
+            return
         return super().step(ctx)
 
     def _fill_leaves(self, req, ctx: TextContext, i: int) -> None:
@@ -550,20 +634,37 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                 max_cache_length=reach if max_cache_length is None else max_cache_length,
             ) for r, (batch, _, rows, widths, lengths, longest, reach) in enumerate(per)))
         out = []
-        states = set(self._state_ids)
+        paged, states = self._paged_ids, self._state_ids
         for r, (batch, reqs, rows, widths, lengths, longest, reach) in enumerate(per):
             lengths = eng.to_device(np.array(lengths, dtype=np.uint32))
             if max_cache_length is not None:
                 reach = max_cache_length
-            ones = None
+            n = len(reqs)
+            luts = {}
+            # The paged leaves' tables in one engine call: their rows stacked leaf by leaf into one
+            # [leaves * n, cols] table, each leaf's inputs binding its n rows (a contiguous view).
+            if len(paged) == 1:
+                luts[leaf] = eng.to_device(eng.lookup_table(rows, widths, cols))
+            else:
+                stacked = []
+                for lid in paged:
+                    stacked += rows if lid == leaf else [q.rows[lid] for q in reqs]
+                table = eng.to_device(eng.lookup_table(stacked, widths * len(paged), cols))
+                for i, lid in enumerate(paged):
+                    luts[lid] = table[i * n : (i + 1) * n]
+            if states:  # spec/manager.md §8: one column, the live state page
+                stacked = []
+                for lid in states:
+                    stacked += [q.rows[lid] for q in reqs]
+                table = eng.to_device(eng.lookup_table(stacked, [1] * len(stacked), LUT_ALIGN))
+                if len(states) == 1:
+                    luts[states[0]] = table
+                else:
+                    for i, lid in enumerate(states):
+                        luts[lid] = table[i * n : (i + 1) * n]
             by_leaf = {}
             for lid in self._leaf:
-                if lid in states:  # spec/manager.md §8: one column, the live state page
-                    ones = ones or [1] * len(reqs)
-                    lut = eng.lookup_table([q.rows[lid] for q in reqs], ones, LUT_ALIGN)
-                else:
-                    lut = eng.lookup_table(rows if lid == leaf else [q.rows[lid] for q in reqs], widths, cols)
-                by_leaf[lid] = self._leaf_inputs(r, lid, eng.to_device(lut), lengths, longest, reach)
+                by_leaf[lid] = self._leaf_inputs(r, lid, luts[lid], lengths, longest, reach)
             out.append(by_leaf)
         if len(self._leaves) == 1:  # one leaf: its inputs, as the policy returns
             (lid,) = self._leaf
@@ -572,7 +673,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
 
     def release(self, ctx: TextContext | str) -> None:
         """Free the request's pages, tail first, and forget it (same contract as the reference)."""
-        if not self._single or self._loads:
+        if not self._lane or self._loads:
             return super().release(ctx)
         req = self._requests.get(ctx.request_id) if type(ctx) is TextContext else None
         if req is None or req.ctx is not ctx:
@@ -582,11 +683,20 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             return
         if req.load is not None:
             req.load.request_id = None  # a finished load record: nothing lands for it any more
-        row = req.rows[self._conn_leaf]
-        if row:
-            # spec/manager.md §6: tail first, so a chain's tail is evicted before its head.
-            pages = _ids(row[::-1])  # int64 ids, converted once for the kernel call
-            self._let_go(self._pools[req.replica][self._conn_leaf], pages, req.ctx)  # spec/manager.md §14.2
+        # spec/manager.md §6: tail first, so a chain's tail is evicted before its head; spec/manager.md
+        # §14.2: the request's retention claim merged first
+        pools = self._pools[req.replica]
+        if self._single:
+            row = req.rows[self._conn_leaf]
+            if row:
+                pages = _ids(row[::-1])  # int64 ids, converted once for the kernel call
+                self._let_go(pools[self._conn_leaf], pages, req.ctx)
+        else:
+            rows = req.rows
+            for lid in self._leaf:  # leaf order, as the policy; a slab's leaf pool takes the list as it is
+                row = rows[lid]
+                if row:
+                    self._let_go(pools[lid], row[::-1], req.ctx)
         if self._uses_connector and req.committed:
             self._tier_touch(req.replica, req.hashes[: req.committed])
             self._tier_retain(req.replica, req.hashes[: req.committed], req.ctx)  # spec/manager.md §14.9

@@ -19,7 +19,7 @@ import numpy as np
 from kvspec.engine import PRISTINE
 from numba import njit
 
-from ._block_pool import _SMALL, _ids
+from ._block_pool import _SMALL, BlockPool, _ids
 from ._numba.freelist import insert_before, unlink
 
 
@@ -171,6 +171,7 @@ def _warm() -> None:
     _take(prev, nxt, parked, owner, live, typed, hs)
     _drop(prev, nxt, parked, owner, live, typed, n + 1, hs)  # parks 1, 2
     _take_pages(prev, nxt, parked, owner, live, typed, hs, 1, rc, True)
+    _take_pages(prev, nxt, parked, owner, live, typed, hs.astype(np.int32), 1, rc, True)  # a pool's draw
     _drop_idle(prev, nxt, parked, owner, live, typed, n + 1, hs, 1, rc)
     _claim_front(prev, nxt, parked, owner, typed, n, 0, np.empty(0, np.int32), np.empty(0, np.int32))
     _claim_run(prev, nxt, parked, owner, live, n, 1, 1, 0, 0, 1)  # an empty run (the scratch arrays only)
@@ -343,6 +344,18 @@ class FastSlabTable:
             return
         self._num_parked -= _take_pages(self._prev, self._next, self._parked, self.owner, self.live,
                                         self._parked_typed, _ids(pages), ratio, _NO_REFS, False)
+
+    def allocate_pages(self, pool, n: int, ratio: int) -> list[int]:
+        """``pool.allocate(n)`` then :meth:`take_pages` of the pages drawn; a fast pool hands its draw
+        to the table's kernel as the int32 array it filled (no conversion)."""
+        if n <= 1 or type(pool) is not BlockPool:
+            got = pool.allocate(n)
+            self.take_pages(got, ratio)
+            return got
+        got = pool.allocate_array(n)
+        self._num_parked -= _take_pages(self._prev, self._next, self._parked, self.owner, self.live,
+                                        self._parked_typed, got, ratio, _NO_REFS, False)
+        return got.tolist()
 
     def take_idle(self, pages, ratio: int, ref_count) -> None:
         n = len(pages)

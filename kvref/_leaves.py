@@ -654,17 +654,18 @@ def joint_hit(leaves: list[Leaf], cap: int, resident: dict[str, Residency]) -> i
     """The fixed point of the leaves' rules: the longest hit ``<= cap`` every leaf accepts.
 
     spec/manager.md §3.2: not the minimum of the per-leaf hits; narrowing one leaf can
-    break another's window, so iterate until all accept one length. Each leaf starts from
-    the length the leaves before it accepted (full leaves first: one batched run), which
-    reaches the same fixed point (the longest length every leaf accepts) with fewer
-    residency questions, each a tier lookup in spec/manager.md §9.8.
+    break another's window, so the leaves are asked in turn until all accept one length.
+    ``best(k)`` is the longest length ``<= k`` a leaf accepts, so the leaf that answers ``j``
+    accepts ``j`` and every leaf answers at least the longest length all accept: asking
+    in a cycle stops as soon as every leaf in a row has answered the same length, which is
+    the fixed point. Full leaves are asked first (one batched run), then the others,
+    which reaches it with fewer residency questions, each a tier lookup in spec/manager.md §9.8.
     """
     order = sorted(leaves, key=lambda leaf: leaf.hit_order)
-    k = cap
-    while True:
-        k2 = k
-        for leaf in order:
-            k2 = leaf.best(k2, resident[leaf.leaf_id])
-        if k2 == k:
-            return k
-        k = k2
+    k, agreed, i = cap, 0, 0
+    while agreed < len(order):
+        j = order[i].best(k, resident[order[i].leaf_id])
+        agreed = agreed + 1 if j == k else 1  # the leaf that narrowed accepts its answer
+        k = j
+        i = (i + 1) % len(order)
+    return k

@@ -317,6 +317,12 @@ class ReferenceSlabTable:
             pool.retain_free(pages, *claim)
         self.drop_idle(pages, ratio, pool.ref_count)
 
+    def allocate_pages(self, pool, n: int, ratio: int) -> list[int]:
+        """A leaf's draw: ``pool.allocate(n)``, then :meth:`take_pages` of the pages drawn; returns them."""
+        got = pool.allocate(n)
+        self.take_pages(got, ratio)
+        return got
+
     def touch_pages(self, pool, pages, ratio: int) -> int:
         """A leaf's ``pages`` referenced once more: :meth:`take_idle` of them against the pool's ref
         counts, then ``pool.touch_many(pages)``; returns what it returns."""
@@ -595,6 +601,8 @@ class Slab:
         when no pristine block is left, else the unpublished run at its front), and consecutive
         pristine claims are one table call. The caller checked ``n`` fit."""
         inner, ratio, t = self.inner[leaf_id], self.ratios[leaf_id], self.table
+        if n <= inner.num_free and not (t.num_parked and t.owner[t.front()] == PRISTINE):
+            return t.allocate_pages(inner, n, ratio)  # the loop's one pass: the leaf's own pages, no claim
         out: list[int] = []
         while len(out) < n:
             rest, free = n - len(out), inner.num_free
@@ -623,9 +631,12 @@ class Slab:
                 # blocks until the rest is served, popping each whole before the next claim.
                 self._claim(leaf_id, -(-rest // ratio))
                 k = min(rest, inner.num_free)
-            got = inner.allocate(k)
-            if k > taken:
-                t.take_pages(got[taken:] if taken else got, ratio)
+            if taken:
+                got = inner.allocate(k)
+                if k > taken:
+                    t.take_pages(got[taken:], ratio)
+            else:
+                got = t.allocate_pages(inner, k, ratio)
             out += got
         return out
 

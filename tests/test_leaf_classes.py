@@ -183,6 +183,30 @@ def test_joint_hit_asks_full_then_sliding_then_recurrent(full, swa, rec):
     assert joint_hit([rec, swa, full], 30, res) == 12
 
 
+def _accepts(leaf: Leaf, k: int, held: set) -> bool:
+    """spec/manager.md §3.2's acceptance rule of a hit of ``k`` blocks, written from the text."""
+    if leaf.kind is LeafKind.FULL:
+        return all(i in held for i in range(k))
+    if leaf.kind is LeafKind.SLIDING_WINDOW:
+        return all(i in held for i in range(max(0, k - leaf.blocks_in_window), k))
+    return k == 0 or k - 1 in held
+
+
+@settings(max_examples=200, deadline=None)
+@given(cap=st.integers(0, 24), window=st.integers(2, 13), kinds=st.lists(st.sampled_from(list(LeafKind)), min_size=1,
+       max_size=4), held=st.lists(st.sets(st.integers(0, 23)), min_size=4, max_size=4))
+def test_joint_hit_is_the_longest_hit_every_leaf_accepts(cap, window, kinds, held):
+    """spec/manager.md §3.2: whatever the leaves and their residency, the joint hit is the longest
+    ``k <= cap`` every leaf accepts (the fixed point; asking the leaves in a cycle stops once all
+    of them in a row answered the same length)."""
+    specs = {LeafKind.FULL: LeafSpec.full(), LeafKind.SLIDING_WINDOW: LeafSpec.sliding_window(window),
+             LeafKind.RECURRENT: LeafSpec.recurrent((2,))}
+    leaves = [Leaf.make(f"l{i}", specs[kind], 2) for i, kind in enumerate(kinds)]
+    res = {leaf.leaf_id: Held(held[i]) for i, leaf in enumerate(leaves)}
+    want = max(k for k in range(cap + 1) if all(_accepts(leaf, k, held[i]) for i, leaf in enumerate(leaves)))
+    assert joint_hit(leaves, cap, res) == want
+
+
 def test_plan_and_commit_a_hit(swa, rec):
     plan = _AllocPlan()
     held = Held(range(20))

@@ -5,7 +5,8 @@
 ``free(leaf, pages)`` / ``touch_many(leaf, pages)`` as the per-page frees and
 touches, and the table's ``claim_pristine`` / ``claim_front`` / ``take_pages`` /
 ``take_idle`` / ``drop_idle`` and the pool's ``unpublished_run`` as loops of single-block
-calls (``claim_pristine_pages`` / ``free_pages`` / ``touch_pages`` as the two calls they stand for). Hypothesis drives one program through a batched slab and a per-page
+calls (``claim_pristine_pages`` / ``free_pages`` / ``allocate_pages`` / ``touch_pages`` as the two calls
+they stand for). Hypothesis drives one program through a batched slab and a per-page
 slab of each engine and compares every page id, free order, prefix index and
 huge-block state, and the two engines with each other.
 """
@@ -13,6 +14,7 @@ huge-block state, and the two engines with each other.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvspec.engine import PRISTINE
@@ -176,8 +178,8 @@ def test_table_batches_equal_their_loops(num_huge, leaf, ks, ratio, pages):
        ratio=st.integers(1, 4), seed=st.integers(0, 2**16), retain=st.booleans())
 def test_table_page_calls_equal_their_definitions(num_huge, leaf, asks, ratio, seed, retain):
     """claim_pristine_pages = claim_pristine + take_pages of the first pages; free_pages = the pool's
-    free (or retain_free) + drop_idle; touch_pages = take_idle + the pool's touch_many; on both
-    tables, with each engine's pool."""
+    free (or retain_free) + drop_idle; touch_pages = take_idle + the pool's touch_many;
+    allocate_pages = the pool's allocate + take_pages; on both tables, with each engine's pool."""
     rng = np.random.default_rng(seed)
     for engine, (Table, Pool) in ENGINES.items():
         a, b = Table(num_huge, 3), Table(num_huge, 3)
@@ -215,6 +217,20 @@ def test_table_page_calls_equal_their_definitions(num_huge, leaf, asks, ratio, s
         got = a.touch_pages(pa, back, ratio)
         b.take_idle(back, ratio, pb.ref_count)
         assert int(got) == int(pb.touch_many(back)), engine
+        assert (a.parked_order(), a.owners(), a.live_counts(), a.num_parked) == \
+            (b.parked_order(), b.owners(), b.live_counts(), b.num_parked), engine
+        assert (pa.free_order(), [int(c) for c in pa.ref_count]) == (pb.free_order(), [int(c) for c in pb.ref_count])
+        # allocate_pages = the pool's allocate + take_pages of the pages drawn (a draw past the free
+        # pages: the pool's CapacityError, neither the pool nor the table changed)
+        before = (a.parked_order(), a.owners(), a.live_counts(), a.num_parked, pa.free_order())
+        with pytest.raises(CapacityError):
+            a.allocate_pages(pa, pa.num_free + 1, ratio)
+        assert (a.parked_order(), a.owners(), a.live_counts(), a.num_parked, pa.free_order()) == before, engine
+        k = int(rng.integers(0, pa.num_free + 1))
+        got = a.allocate_pages(pa, k, ratio)
+        want = pb.allocate(k)
+        b.take_pages(want, ratio)
+        assert got == want and all(type(x) is int for x in got), engine
         assert (a.parked_order(), a.owners(), a.live_counts(), a.num_parked) == \
             (b.parked_order(), b.owners(), b.live_counts(), b.num_parked), engine
         assert (pa.free_order(), [int(c) for c in pa.ref_count]) == (pb.free_order(), [int(c) for c in pb.ref_count])

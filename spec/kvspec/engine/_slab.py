@@ -15,8 +15,9 @@ per operation and give identical answers for identical calls.
 The batched calls (``claim_pristine``, ``claim_front``, ``take_pages``,
 ``take_idle``, ``drop_idle``) are each defined as a loop of the single-block
 calls above (``claim_pristine_pages``: ``claim_pristine`` then ``take_pages``;
-``free_pages``: a pool's free, then ``drop_idle``; ``touch_pages``: ``take_idle``,
-then a pool's ``touch_many``); an engine may
+``free_pages``: a pool's free, then ``drop_idle``; ``allocate_pages``: a pool's
+allocate, then ``take_pages``; ``touch_pages``: ``take_idle``, then a pool's
+``touch_many``); an engine may
 run them in one compiled pass (``kvfast``) but must leave exactly the state
 the loop leaves. Pristine huge blocks are only ever taken from the
 queue's front and never return to it, so they are always the ids
@@ -121,6 +122,10 @@ class SlabTable(Protocol):
         ``drop_idle(pages, ratio, pool.ref_count)``. ``pool`` is the leaf's ``BlockPool`` (``ratio``
         pages per huge block); an engine may convert the page ids once for both. The pool's errors
         are raised before the table changes."""
+
+    def allocate_pages(self, pool, n: int, ratio: int) -> list[int]:
+        """A leaf's draw of ``n`` pages in one call: ``pool.allocate(n)``, then ``take_pages`` of the
+        pages drawn; returns them. The pool's ``CapacityError`` is raised before the table changes."""
 
     def touch_pages(self, pool, pages, ratio: int) -> int:
         """A leaf's ``pages`` (distinct, none null) referenced once more in one call:
