@@ -494,17 +494,28 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             self._offload_queue[req.replica].append((hashes[lo:stop], toks))
 
     def _step_leaves(self, ctx: TextContext) -> None:
-        """``step`` with several leaves, for a ``settled`` request (spec/manager.md §2) whose rows cover
-        the forward: a step that fills no page, checkpoints no state and slides no window only counts
-        the forward (spec/manager.md §5); any other commits the filled blocks of every paged leaf (one
-        filled by a decode step: ``_fill_leaves``; several: the policy's ``_commit``), then checkpoints
-        and slides through the policy's own methods. Any other request goes to the policy (which
-        raises, adopts a replacement, polls a load or clears the admission's flags)."""
+        """``step`` with several leaves, for a request without a load whose rows cover the forward
+        (the first step after an admission clears its flags first, spec/manager.md §2): a step that
+        fills no page, checkpoints no state and slides no window only counts the forward
+        (spec/manager.md §5); any other commits the filled blocks of every paged leaf (one filled by
+        a decode step: ``_fill_leaves``; several: the policy's ``_commit``), then checkpoints and
+        slides through the policy's own methods. Any other request goes to the policy (which raises,
+        adopts a replacement, or polls, lands or defers a load)."""
         req = self._requests.get(ctx.request_id)
         page = self._page
         processed = ctx._processed
         # the rows cover the forward (every paged row has the anchor's length); else the policy raises
-        if req is not None and req.ctx is ctx and req.settled and processed <= len(req.rows[self._anchor_id]) * page:
+        if req is not None and req.ctx is ctx and processed <= len(req.rows[self._anchor_id]) * page:
+            if not req.settled:
+                if req.load is not None or req.dummy:
+                    return super().step(ctx)  # the policy polls, lands or defers a load; a dummy row
+                # the first step after an admission: its flags cleared, as the policy's step does
+                if req.ext_point:
+                    req.ext_point = False
+                if req.lookup is not None:
+                    req.lookup = None
+                if req.lookup_pending:
+                    req.lookup_pending = False
             filled = processed // page
             caching = self._caching
             if not caching or (

@@ -269,3 +269,73 @@ def test_decode_fills_of_every_leaf_set_match_reference(leaves, collide):
         assert committed["other"] == 0 and committed["a"] > 1
     else:
         assert min(committed.values()) > 0
+
+
+
+def _fails(name):
+    def fail(*args, **kwargs):
+        raise AssertionError(f"the policy's {name} ran")
+    return fail
+
+
+@pytest.mark.parametrize("leaves", ["full+swa", "full+rec", "swa+full"])
+def test_admission_step_and_release_lanes_of_several_leaves(leaves, monkeypatch):
+    """kvfast's lanes for several leaves (issue 12): the admission's splice (the joint hit over the
+    leaves, each leaf's part, one slab check, the slab's draw per leaf, a recurrent leaf's state
+    restored from its checkpoint), the step that commits a prefill then slides or checkpoints, and
+    the release serve every kvfast call here: the policy's ``alloc``, ``step`` and ``release`` are
+    made to fail while kvfast runs, after kvref ran the same call. Outcomes (an admission the slab
+    cannot serve raises the reference's error, from the lane, and changes nothing), rows, hits,
+    free order, metrics and the huge blocks' owners, live counts and parked queue agree."""
+    params = KVCacheParams(page_size=PAGE, num_layers=1, kv_heads=1, head_dim=2, leaves=_leaf_sets()[leaves])
+    ms = [pkg.PagedKVCacheManager(params, num_blocks=10 * len(params.leaves()), max_batch_size=4, max_seq_len=32)
+          for pkg in (kvref, kvfast)]
+
+    def slab_state(m):
+        t = m._slabs[0].table
+        return t.owners(), t.live_counts(), t.parked_order()
+
+    def both(name, pair, *args):
+        a = _outcome(lambda: getattr(ms[0], name)(pair[0], *args))
+        with monkeypatch.context() as mp:
+            for policy in ("alloc", "step", "release"):
+                mp.setattr(kvref.PagedKVCacheManager, policy, _fails(policy))
+            b = _outcome(lambda: getattr(ms[1], name)(pair[1], *args))
+        assert a == b, (name, a, b)
+        assert _state(ms[0], [pair[0]]) == _state(ms[1], [pair[1]])
+        assert slab_state(ms[0]) == slab_state(ms[1])
+        # the request's lifecycle too: the first step after an admission clears its flags
+        phases = [m._requests[c.request_id].phase if m.contains(c) else None for m, c in zip(ms, pair)]
+        assert phases[0] == phases[1], (name, phases)
+        return a
+
+    def admit(rid, tokens):
+        pair = _ctxs(rid, tokens)
+        for m, ctx in zip(ms, pair):
+            m.claim(ctx)
+        return pair, both("alloc", pair)
+
+    first = list(range(1, 5 * PAGE + 2))  # 5 full blocks and a token
+    a, out = admit("a", first)
+    assert out[0] == "ok" and a[1].cached_prefix_length == 0
+    for ctx in a:  # the prefill's forward: every token but the last, 5 whole pages (a checkpoint)
+        ctx.skip_processing(5 * PAGE)
+    both("step", a)
+    b, out = admit("b", first[: 5 * PAGE] + [60, 61, 62])  # shares a's 5 blocks and its checkpoint
+    assert out[0] == "ok" and b[1].cached_prefix_length == 5 * PAGE
+    for ctx in b:
+        ctx.skip_processing(ctx.active_length - 1)
+    both("step", b)
+    held = [a, b]
+    for i in range(8):  # 8 pages a paged leaf each, until the slab cannot serve one
+        c, out = admit(f"c{i}", list(range(100 + 40 * i, 132 + 40 * i)))
+        if out[0] == "err":
+            break
+        held.append(c)
+    assert out[0] == "err" and out[1] is InsufficientBlocksError, out
+    assert ms[1].get_req_blocks_per_leaf(c[1]) == {lid: [] for lid in params.leaves()}
+    for pair in held:
+        both("release", pair)
+    assert both("alloc", c)[0] == "ok"  # the pages the others let go serve it now
+    for m in ms:
+        m.check_invariants()
