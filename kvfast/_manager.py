@@ -194,10 +194,11 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                 # the shortest state row: 0 (an empty one gets a fresh, zeroed state from the policy,
                 # spec/manager.md §4.7), below _state_len (a successor to draw, spec/manager.md §5.2)
                 states = self._state_len
-                for lid in self._state_ids:  # (inline: a decode step's check)
-                    n = len(req.rows[lid])
-                    if n < states:
-                        states = n
+                if self._state_ids:
+                    for lid in self._state_ids:  # (inline: a decode step's check)
+                        n = len(req.rows[lid])
+                        if n < states:
+                            states = n
                 if row and ctx._length <= self._max_seq_len and processed >= req.committed * page and states and (
                         short > -page or not self._drafts):
                     if self._loads or self._offloads and self._completions_moved():
