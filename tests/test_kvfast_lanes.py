@@ -278,20 +278,28 @@ def _fails(name):
     return fail
 
 
-@pytest.mark.parametrize("leaves", ["full+swa", "full+rec", "swa+full"])
+@pytest.mark.parametrize("leaves", ["full+swa", "full+rec", "swa+full", "swa"])
 def test_admission_step_and_release_lanes_of_several_leaves(leaves, monkeypatch):
-    """kvfast's lanes for several leaves (issue 12): the admission's splice (the joint hit over the
+    """kvfast's lanes for several leaves, or one that is not a full leaf (issue 12): the admission's splice (the joint hit over the
     leaves, each leaf's part, one slab check, the slab's draw per leaf, a recurrent leaf's state
     restored from its checkpoint), the step that commits a prefill then slides or checkpoints, and
     the release serve every kvfast call here: the policy's ``alloc``, ``step`` and ``release`` are
     made to fail while kvfast runs, after kvref ran the same call. Outcomes (an admission the slab
     cannot serve raises the reference's error, from the lane, and changes nothing), rows, hits,
     free order, metrics and the huge blocks' owners, live counts and parked queue agree."""
-    params = KVCacheParams(page_size=PAGE, num_layers=1, kv_heads=1, head_dim=2, leaves=_leaf_sets()[leaves])
+    sets = dict(_leaf_sets(), swa={"swa": LeafSpec.sliding_window(2 * PAGE + 1)})
+    params = KVCacheParams(page_size=PAGE, num_layers=1, kv_heads=1, head_dim=2, leaves=sets[leaves])
     ms = [pkg.PagedKVCacheManager(params, num_blocks=10 * len(params.leaves()), max_batch_size=4, max_seq_len=32)
           for pkg in (kvref, kvfast)]
 
+    def state(m, ctx):
+        return ([m.get_req_blocks_per_leaf(ctx) if m.contains(ctx) else None],
+                [m._free_order(0, lid) for lid in params.leaves()], m.get_metrics_aggregated(),
+                (ctx.processed_length, ctx.active_length, ctx.cached_prefix_length))
+
     def slab_state(m):
+        if not m._slabs:  # one sliding leaf: its own pool, no slab (the lane's per-leaf check)
+            return None
         t = m._slabs[0].table
         return t.owners(), t.live_counts(), t.parked_order()
 
@@ -302,7 +310,7 @@ def test_admission_step_and_release_lanes_of_several_leaves(leaves, monkeypatch)
                 mp.setattr(kvref.PagedKVCacheManager, policy, _fails(policy))
             b = _outcome(lambda: getattr(ms[1], name)(pair[1], *args))
         assert a == b, (name, a, b)
-        assert _state(ms[0], [pair[0]]) == _state(ms[1], [pair[1]])
+        assert state(ms[0], pair[0]) == state(ms[1], pair[1])
         assert slab_state(ms[0]) == slab_state(ms[1])
         # the request's lifecycle too: the first step after an admission clears its flags
         phases = [m._requests[c.request_id].phase if m.contains(c) else None for m, c in zip(ms, pair)]
