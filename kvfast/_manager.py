@@ -35,6 +35,10 @@ is decided at construction:
   (claim and free in one kernel pass, ``BlockPool.retain_free``) and the
   admission's splice (when no peer replica holds the block after the local run and
   the tiers hold nothing past it: one connector lookup).
+
+The lanes read one field of the request record, ``settled`` (no load of its
+own, no external stage due, not a dummy row; spec/manager.md §2), instead of
+its five flags.
 """
 
 from __future__ import annotations
@@ -262,9 +266,10 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         return True
 
     def _alloc_fast(self, ctx: TextContext, defer_lookup: bool) -> KVTransfer:
-        """The admission of one full leaf on one replica (spec/manager.md §4): the splice of the
-        device hit, the sizing and, with a connector, the external stage when the tiers hold
-        nothing past the hit (one lookup); anything else is the policy's."""
+        """An admission (spec/manager.md §4) after the checks every lane shares: of one full leaf on
+        any replica, the splice of the device hit, the sizing and, with a connector, the external
+        stage when the tiers hold nothing past the hit (one lookup); of several leaves without a
+        connector, :meth:`_splice_leaves`; anything else is the policy's."""
         if self._loads or not self._single and (not self._lane or self._uses_connector):
             return super().alloc(ctx, defer_lookup=defer_lookup)
         op = "alloc"
@@ -458,8 +463,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         if processed > len(row) * page:
             return super().step(ctx)  # raises ValueError: alloc must be called before the forward
         req.step_gen += 1
-        if req.ext_point or req.lookup is not None or req.lookup_pending:
-            req.ext_point, req.lookup, req.lookup_pending = False, None, False
+        req.end_admission()
         if not self._caching:
             return
         lo = req.committed
@@ -510,13 +514,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             if not req.settled:
                 if req.load is not None or req.dummy:
                     return super().step(ctx)  # the policy polls, lands or defers a load; a dummy row
-                # the first step after an admission: its flags cleared, as the policy's step does
-                if req.ext_point:
-                    req.ext_point = False
-                if req.lookup is not None:
-                    req.lookup = None
-                if req.lookup_pending:
-                    req.lookup_pending = False
+                req.end_admission()  # the first step after an admission, as the policy's step
             filled = processed // page
             caching = self._caching
             if not caching or (

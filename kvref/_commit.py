@@ -59,13 +59,7 @@ class Commit:
                 raise errors[0]
         req.step_gen += 1
         if not settled:
-            # the admission's flags cleared (only those set: each write re-derives req.settled)
-            if req.ext_point:
-                req.ext_point = False
-            if req.lookup is not None:
-                req.lookup = None
-            if req.lookup_pending:
-                req.lookup_pending = False
+            req.end_admission()  # the admission's flags cleared
             if req.load is not None:
                 if req.load.state == "failed":
                     req.ran_past = True  # spec/manager.md §9.6: the forward read pages that never landed

@@ -105,6 +105,14 @@ class _Request:
         self.counted_active = active
         return n
 
+    def end_admission(self) -> None:
+        """The first ``step`` after an admission: the admission's flags (``ext_point``, a held
+        ``lookup``, ``lookup_pending``) cleared, each write only where one is set (spec/manager.md §2,
+        §9.3)."""
+        if self._ext_point or self._lookup is not None or self._lookup_pending:
+            self._ext_point, self._lookup, self._lookup_pending = False, None, False
+            self._settle()
+
     def _settle(self) -> None:
         self.settled = not (self._dummy or self._load is not None or self._ext_point or self._lookup is not None
                             or self._lookup_pending)
