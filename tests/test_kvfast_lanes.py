@@ -271,7 +271,6 @@ def test_decode_fills_of_every_leaf_set_match_reference(leaves, collide):
         assert min(committed.values()) > 0
 
 
-
 def _fails(name):
     def fail(*args, **kwargs):
         raise AssertionError(f"the policy's {name} ran")
@@ -280,13 +279,14 @@ def _fails(name):
 
 @pytest.mark.parametrize("leaves", ["full+swa", "full+rec", "swa+full", "swa"])
 def test_admission_step_and_release_lanes_of_several_leaves(leaves, monkeypatch):
-    """kvfast's lanes for several leaves, or one that is not a full leaf (issue 12): the admission's splice (the joint hit over the
-    leaves, each leaf's part, one slab check, the slab's draw per leaf, a recurrent leaf's state
-    restored from its checkpoint), the step that commits a prefill then slides or checkpoints, and
-    the release serve every kvfast call here: the policy's ``alloc``, ``step`` and ``release`` are
-    made to fail while kvfast runs, after kvref ran the same call. Outcomes (an admission the slab
-    cannot serve raises the reference's error, from the lane, and changes nothing), rows, hits,
-    free order, metrics and the huge blocks' owners, live counts and parked queue agree."""
+    """kvfast's lanes for several leaves, or one leaf that is not a full leaf (issue 12): the
+    admission's splice (the joint hit over the leaves, each leaf's part, one slab check, the slab's
+    draw per leaf, a recurrent leaf's state restored from its checkpoint), the step that commits a
+    prefill then slides or checkpoints, and the release serve every kvfast call here: the policy's
+    ``alloc``, ``step`` and ``release`` are made to fail while kvfast runs, after kvref ran the same
+    call. Outcomes (an admission the slab cannot serve raises the reference's error, from the lane,
+    and changes nothing), rows, hits, every leaf's free order, metrics, the huge blocks' owners,
+    live counts and parked queue, and the request's phase agree."""
     sets = dict(_leaf_sets(), swa={"swa": LeafSpec.sliding_window(2 * PAGE + 1)})
     params = KVCacheParams(page_size=PAGE, num_layers=1, kv_heads=1, head_dim=2, leaves=sets[leaves])
     ms = [pkg.PagedKVCacheManager(params, num_blocks=10 * len(params.leaves()), max_batch_size=4, max_seq_len=32)
