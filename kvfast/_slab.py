@@ -342,8 +342,12 @@ class FastSlabTable:
             if n:
                 self._take_one(pages[0] // ratio)
             return
+        self._take_run(_ids(pages), ratio)
+
+    def _take_run(self, pages: np.ndarray, ratio: int) -> None:
+        """:meth:`take_pages` of an id array (int64, or a pool's int32 draw) in one kernel pass."""
         self._num_parked -= _take_pages(self._prev, self._next, self._parked, self.owner, self.live,
-                                        self._parked_typed, _ids(pages), ratio, _NO_REFS, False)
+                                        self._parked_typed, pages, ratio, _NO_REFS, False)
 
     def allocate_pages(self, pool, n: int, ratio: int) -> list[int]:
         """``pool.allocate(n)`` then :meth:`take_pages` of the pages drawn; a fast pool hands its draw
@@ -353,8 +357,7 @@ class FastSlabTable:
             self.take_pages(got, ratio)
             return got
         got = pool.allocate_array(n)
-        self._num_parked -= _take_pages(self._prev, self._next, self._parked, self.owner, self.live,
-                                        self._parked_typed, got, ratio, _NO_REFS, False)
+        self._take_run(got, ratio)
         return got.tolist()
 
     def take_idle(self, pages, ratio: int, ref_count) -> None:
