@@ -20,10 +20,11 @@ from kvspec.engine import PRISTINE
 from numba import njit
 
 from ._block_pool import _SMALL, BlockPool, _ids
+from ._numba import inner_kernel
 from ._numba.freelist import insert_before, unlink
 
 
-@njit(cache=True, inline="always")
+@inner_kernel
 def _ref_one(prev, next_, parked, owner, live, parked_typed, h):
     """A page of huge block ``h`` referenced again: unlink it if parked, ``live += 1``. Returns 1
     when it was un-parked, else 0."""
@@ -38,7 +39,7 @@ def _ref_one(prev, next_, parked, owner, live, parked_typed, h):
     return was_parked
 
 
-@njit(cache=True, inline="always")
+@inner_kernel
 def _unref_one(prev, next_, parked, owner, live, parked_typed, tail, h):
     """A page of huge block ``h`` went idle: ``live -= 1``; at 0 the block is appended to the parked
     queue. Returns 1 when it was parked, else 0."""

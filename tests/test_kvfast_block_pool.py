@@ -239,3 +239,22 @@ def test_token_verification_reads_values_in_any_token_form(form):
     assert out[0] == out[1]
     assert out[1][:6] == [[1, 2], [1, 2], [1, 2], [1], [1, 2], [1, None]] and out[1][6] == 5
     assert out[1][7] == [6] and out[1][8] == [7, 6]  # the second block of the pair is the twin
+
+
+def test_per_element_helpers_are_compiled_without_reference_counts():
+    """The helpers the free-list and slab kernels call once per block (a link, a claim merge, a
+    block's reference) are ``inner_kernel``s: compiled without NRT, whose incref/decref of every
+    array argument at each call cost 15x the helper's own work (kvfast/_numba/__init__.py). A
+    helper turned back into a plain ``@njit`` fails here; a Numba without the option keeps plain
+    helpers (``_INNER`` is then empty) and the test says so."""
+    import kvfast._numba as nb
+    from kvfast import _slab
+    from kvfast._numba import freelist
+
+    if not nb._INNER:
+        pytest.skip("this Numba's CPU target has no _nrt option: the helpers keep reference counts")
+    helpers = [getattr(freelist, n) for n in ("_front", "insert_before", "_append", "_requeue", "_merge_claim",
+                                              "_release", "unlink")] + [_slab._ref_one, _slab._unref_one]
+    assert [h.targetoptions.get("_nrt") for h in helpers] == [False] * len(helpers)
+    # the kernels that Python calls keep NRT (they are handed arrays from Python)
+    assert freelist.free_many.targetoptions.get("_nrt", True) is True

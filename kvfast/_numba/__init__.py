@@ -16,3 +16,31 @@ interval (5 ms), on the scheduler's thread. Measured on the host-tier scheduler
 loop: 7 to 11 lookup-table builds per 64 requests stalled 1 to 4 ms each with
 ``nogil=True``, none without (docs/performance.md).
 """
+
+from numba import njit
+
+
+def _without_refcounts() -> dict:
+    """``njit`` options of :func:`inner_kernel`: ``_nrt=False`` where this Numba's CPU target
+    declares the option, else none (the helpers then stay correct, only slower)."""
+    try:
+        from numba.core.cpu import CPUTargetOptions
+    except ImportError:  # pragma: no cover - a Numba that moved its target options
+        return {}
+    return {"_nrt": False} if hasattr(CPUTargetOptions, "_nrt") else {}
+
+
+_INNER = _without_refcounts()
+
+
+def inner_kernel(fn):
+    """``@njit(cache=True)`` for a helper that other kernels call once per element (a free-list
+    link, a slab block's reference): compiled without NRT reference counting.
+
+    Every array argument of a call between two compiled functions is otherwise increfed and
+    decrefed at the call, two atomic operations per array that neither inlining (Numba's
+    ``inline="always"`` nor LLVM's) removes: a helper of six arrays cost about 50 ns a call,
+    3 ns without (measured on the slab table's park and un-park; docs/performance.md). A helper
+    so compiled must not allocate or return an array; its callers keep NRT.
+    """
+    return njit(cache=True, **_INNER)(fn)

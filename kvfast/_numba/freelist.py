@@ -23,6 +23,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from . import inner_kernel
+
 __all__ = [
     "touch_many", "init_list", "pop_front_n", "pop_front_evict", "free_many", "walk", "walk_nodes", "unlink",
     "verify_run", "publish_rows", "set_retention", "NUM_LEVELS", "DEFAULT_LEVEL", "warm",
@@ -59,7 +61,7 @@ def init_list(prev, next_, num_blocks):
     next_[0] = -1
 
 
-@njit(cache=True)
+@inner_kernel
 def _front(next_, head, lo):
     """``(block, lo)``: the block a pop takes (the caller checked one is free) and the raised bound."""
     b = next_[head]
@@ -70,7 +72,7 @@ def _front(next_, head, lo):
     return next_[head + 1 + lo], lo
 
 
-@njit(cache=True)
+@inner_kernel
 def insert_before(prev, next_, t, b):
     """Link ``b`` into the list just before node ``t`` (a block or a sentinel)."""
     p = prev[t]
@@ -80,13 +82,13 @@ def insert_before(prev, next_, t, b):
     prev[t] = b
 
 
-@njit(cache=True)
+@inner_kernel
 def _append(prev, next_, head, level, b):
     """Put ``b`` at the back of ``level`` (just before the next level's sentinel, or TAIL)."""
     insert_before(prev, next_, head + 2 + level, b)
 
 
-@njit(cache=True)
+@inner_kernel
 def _requeue(prev, next_, head, prio, expiry, b, lo, ttl, k):
     """Append free published ``b`` to the back of its level (the default one without a claim),
     lowering the bound ``lo``; a finite expiry is recorded in ``ttl[k]``. Returns ``(lo, k)``."""
@@ -100,7 +102,7 @@ def _requeue(prev, next_, head, prio, expiry, b, lo, ttl, k):
     return lo, k
 
 
-@njit(cache=True)
+@inner_kernel
 def _merge_claim(prio, expiry, b, priority, until, now):
     """Merge the claim ``(priority, until)`` into published ``b``'s (kvspec.retention.merge):
     no claim or an expired one takes the new claim; else the higher priority, at equal
@@ -113,7 +115,7 @@ def _merge_claim(prio, expiry, b, priority, until, now):
         expiry[b] = until
 
 
-@njit(cache=True)
+@inner_kernel
 def _release(prev, next_, published, prio, expiry, head, b, lo, now, ttl, k):
     """Queue ``b``, whose ref count just reached 0: the front when unpublished, the back of its
     level when published (a claim expired by ``now`` is dropped first). Returns ``(lo, k)``."""
@@ -126,7 +128,7 @@ def _release(prev, next_, published, prio, expiry, head, b, lo, now, ttl, k):
     return lo, k
 
 
-@njit(cache=True)
+@inner_kernel
 def unlink(prev, next_, b):
     """Take block ``b`` out of the list (a prefix hit revives a free block)."""
     p = prev[b]
