@@ -66,6 +66,8 @@ def _check_scalar(api: str, name: str, value) -> int:
 
 def _int_vector(api: str, name: str, value) -> np.ndarray:
     """A 1-D host integer array as int64: ``TypeError`` for floats/bools, ``ValueError`` for ndim."""
+    if type(value) is np.ndarray and value.ndim == 1 and value.dtype.kind == "i":
+        return value if value.dtype == np.int64 else value.astype(np.int64)  # a signed array: the checks below pass
     arr = int64_from_ints(value)  # a list of Python ints, packed; else NumPy's conversion
     if arr is not None:
         return arr
