@@ -222,58 +222,83 @@ class FastSlabTable:
         self._parked[1:] = True
         self._num_parked = n - 1
         self._parked_typed = np.zeros(num_leaves, np.int64)
+        self._views()
         _warm()
+
+    #: ``(view, array)`` attribute names: the memoryviews the one-block paths use (a decode step's
+    #: page, a checkpoint's touch), as ``kvfast.BlockPool``'s
+    _VIEWS = (("_nx", "_next"), ("_pv", "_prev"), ("_pk", "_parked"), ("_ow", "owner"), ("_lv", "live"),
+              ("_pt", "_parked_typed"))
+
+    def _views(self) -> None:
+        """Memoryviews of the arrays the one-block paths (``park``, ``unpark``, ``front``, a single
+        take or drop) read and write element by element: an item of a memoryview is a Python int in
+        about half the time of a NumPy scalar index. They share the arrays' memory."""
+        for view, array in self._VIEWS:
+            setattr(self, view, memoryview(getattr(self, array)))
+
+    def __getstate__(self) -> dict:
+        """The state without the memoryviews (they cannot be pickled or deep-copied)."""
+        state = self.__dict__.copy()
+        for view, _ in self._VIEWS:
+            del state[view]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._views()
 
     @property
     def num_parked(self) -> int:
         return self._num_parked
 
     def parked_typed(self, leaf: int) -> int:
-        return int(self._parked_typed[leaf])
+        return self._pt[leaf]
 
     def front(self) -> int:
-        h = int(self._next[self._head])
+        h = self._nx[self._head]
         return 0 if h == self._tail else h
 
     def is_parked(self, h: int) -> bool:
-        return bool(self._parked[h])
+        return self._pk[h]
 
     def park(self, h: int) -> None:
-        prv, nxt, t = self._prev, self._next, self._tail
+        prv, nxt, t = self._pv, self._nx, self._tail
         p = prv[t]
         nxt[p] = h
         prv[h] = p
         nxt[h] = t
         prv[t] = h
-        self._parked[h] = True
+        self._pk[h] = True
         self._num_parked += 1
-        self._parked_typed[self.owner[h]] += 1
+        self._pt[self._ow[h]] += 1
 
     def unpark(self, h: int) -> None:
-        prv, nxt = self._prev, self._next
+        prv, nxt = self._pv, self._nx
         p, n = prv[h], nxt[h]
         nxt[p] = n
         prv[n] = p
         prv[h] = nxt[h] = -1
-        self._parked[h] = False
+        self._pk[h] = False
         self._num_parked -= 1
-        o = self.owner[h]
+        o = self._ow[h]
         if o != PRISTINE:
-            self._parked_typed[o] -= 1
+            self._pt[o] -= 1
 
     def set_owner(self, h: int, leaf: int) -> None:
-        self.owner[h] = leaf
+        self._ow[h] = leaf
 
     def _take_one(self, h: int) -> None:
         """``take([h])`` in Python (a decode step's page: no kernel call)."""
-        if self._parked[h]:
+        if self._pk[h]:
             self.unpark(h)
-        self.live[h] += 1
+        self._lv[h] += 1
 
     def _drop_one(self, h: int) -> None:
         """``drop([h])`` in Python (a decode step's page: no kernel call)."""
-        v = int(self.live[h]) - 1
-        self.live[h] = v
+        lv = self._lv
+        v = lv[h] - 1
+        lv[h] = v
         if v == 0:
             self.park(h)
 
@@ -313,8 +338,8 @@ class FastSlabTable:
         return self._claim_pristine(leaf, -(-n // ratio), n, ratio)
 
     def _claim_pristine(self, leaf: int, k: int, pages: int, ratio: int) -> range:
-        h0 = int(self._next[self._head])
-        if h0 == self._tail or self.owner[h0] != PRISTINE or k <= 0:
+        h0 = self._nx[self._head]
+        if h0 == self._tail or self._ow[h0] != PRISTINE or k <= 0:
             h0 = 0 if h0 == self._tail else h0
             return range(h0, h0)
         h1 = min(h0 + k, self.num_huge_blocks)
@@ -326,9 +351,9 @@ class FastSlabTable:
     def claim_front(self, leaf: int, k: int) -> tuple[list[int], list[int]]:
         if k == 1:  # a decode step's claim: no kernel call
             h = self.front()
-            o = int(self.owner[h])
+            o = self._ow[h]
             self.unpark(h)
-            self.owner[h] = leaf
+            self._ow[h] = leaf
             return [h], [o]
         hs = np.empty(k, np.int32)
         prevs = np.empty(k, np.int32)
