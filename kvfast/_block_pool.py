@@ -726,6 +726,10 @@ class BlockPool:
         published one (spec/manager.md §13.2); reads the eviction front as :meth:`peek` does."""
         if self._heap:
             self._expire()
+        if n == 1:  # a decode step's claim decision: a block at the front is read without a kernel call
+            b = self._nx[self._head]
+            if b < self._head:
+                return 0 if self._pub[b] else 1
         return int(_fl.unpublished_run(self._next, self._published, self._head, self._tail, self._lo, n))
 
     def _unlink(self, b: int) -> None:
