@@ -176,7 +176,7 @@ class BlockPool:
 
     #: ``(view, array)`` attribute names: the memoryviews the one-block paths use (below)
     _VIEWS = (("_nx", "_next"), ("_pv", "_prev"), ("_rc", "ref_count"), ("_pub", "_published"),
-              ("_tl", "_tok_len"))
+              ("_tl", "_tok_len"), ("_pr", "priority"), ("_ex", "expiry"))
 
     def _views(self) -> None:
         """Memoryviews of the arrays the one-block paths (``allocate_one``, ``touch``, ``free`` and
@@ -347,8 +347,8 @@ class BlockPool:
         self._num_free -= 1
         if self._pub[b]:  # evict, as allocate does
             self._pub[b] = False
-            self.priority[b] = _ret.NO_CLAIM
-            self.expiry[b] = _ret.NEVER
+            self._pr[b] = _ret.NO_CLAIM
+            self._ex[b] = _ret.NEVER
             h = self.block_hash[b]
             del self.hash_to_block[h]
             self.block_hash[b] = None
@@ -498,9 +498,9 @@ class BlockPool:
         timed = self._ttl or expiry != _ret.NEVER  # as set_retention: a finite claim starts the clock
         now = float(self.clock()) if timed else -math.inf
         if self._pub[b]:
-            p, e = _ret.merge(int(self.priority[b]), float(self.expiry[b]), priority, expiry, now)
-            self.priority[b] = p
-            self.expiry[b] = e
+            p, e = _ret.merge(self._pr[b], self._ex[b], priority, expiry, now)
+            self._pr[b] = p
+            self._ex[b] = e
         if expiry != _ret.NEVER:
             self._ttl = True
         self._free_one(b, now)
@@ -519,11 +519,11 @@ class BlockPool:
             return
         prv, nxt = self._pv, self._nx
         if self._pub[b]:
-            e = self.expiry[b]
+            e = self._ex[b]
             if e != _ret.NEVER and e <= (self.clock() if now is None else now):  # spec/manager.md §14.5: when freed
-                self.priority[b] = _ret.NO_CLAIM
-                self.expiry[b] = e = _ret.NEVER
-            pr = int(self.priority[b])
+                self._pr[b] = _ret.NO_CLAIM
+                self._ex[b] = e = _ret.NEVER
+            pr = self._pr[b]
             level = _ret.DEFAULT_PRIORITY if pr < 0 else pr
             t = self._head + 2 + level
             p = prv[t]
