@@ -101,7 +101,31 @@ class _TokenView:
         return (self[b] for b in range(self._pool.num_blocks))
 
 
-class BlockPool:
+class _MemoryViews:
+    """Memoryviews of some of an object's NumPy arrays, for the paths that read and write them one
+    element at a time: an item of a memoryview is a Python int (or float) in about half the time of
+    a NumPy scalar index. ``_VIEWS`` names the ``(view, array)`` attribute pairs; the views share the
+    arrays' memory, and whoever assigns one of those arrays calls :meth:`_views` again. A pickle or
+    a deep copy carries the arrays, not the views (which cannot be pickled), and rebuilds them."""
+
+    _VIEWS: tuple[tuple[str, str], ...] = ()
+
+    def _views(self) -> None:
+        for view, array in self._VIEWS:
+            setattr(self, view, memoryview(getattr(self, array)))
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        for view, _ in self._VIEWS:
+            del state[view]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._views()
+
+
+class BlockPool(_MemoryViews):
     """Ids ``0 .. num_blocks-1`` with ref counts, an intrusive free list and a prefix index.
 
     Parameters
@@ -174,29 +198,10 @@ class BlockPool:
         self._off = np.zeros(n, np.bool_)
         self._views()
 
-    #: ``(view, array)`` attribute names: the memoryviews the one-block paths use (below)
+    #: the memoryviews the one-block paths (``allocate_one``, ``touch``, ``free`` and ``retain_free`` of
+    #: one page, ``_publish``) read and write element by element
     _VIEWS = (("_nx", "_next"), ("_pv", "_prev"), ("_rc", "ref_count"), ("_pub", "_published"),
               ("_tl", "_tok_len"), ("_pr", "priority"), ("_ex", "expiry"))
-
-    def _views(self) -> None:
-        """Memoryviews of the arrays the one-block paths (``allocate_one``, ``touch``, ``free`` and
-        ``retain_free`` of one page, ``_publish``) update element by element: an item of a memoryview
-        reads and writes a Python int in about half the time of a NumPy scalar index. They share the
-        arrays' memory; every assignment of those arrays calls this again."""
-        for view, array in self._VIEWS:
-            setattr(self, view, memoryview(getattr(self, array)))
-
-    def __getstate__(self) -> dict:
-        """The state without the memoryviews (they cannot be pickled or deep-copied); a copy
-        gets its own over its own arrays (``__setstate__``)."""
-        state = self.__dict__.copy()
-        for view, _ in self._VIEWS:
-            del state[view]
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._views()
 
     def snapshot(self):
         """An opaque copy of the whole state (for atomic rollback and tests)."""

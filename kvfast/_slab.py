@@ -19,7 +19,7 @@ import numpy as np
 from kvspec.engine import PRISTINE
 from numba import njit
 
-from ._block_pool import _SMALL, BlockPool, _ids
+from ._block_pool import _SMALL, BlockPool, _ids, _MemoryViews
 from ._numba import inner_kernel
 from ._numba.freelist import insert_before, unlink
 
@@ -185,7 +185,7 @@ def _warm() -> None:
 __all__ = ["FastSlabTable"]
 
 
-class FastSlabTable:
+class FastSlabTable(_MemoryViews):
     """Owners, live page counts and the parked queue of one slab (int32 arrays).
 
     Parameters
@@ -225,28 +225,10 @@ class FastSlabTable:
         self._views()
         _warm()
 
-    #: ``(view, array)`` attribute names: the memoryviews the one-block paths use (a decode step's
-    #: page, a checkpoint's touch), as ``kvfast.BlockPool``'s
+    #: the memoryviews the one-block paths (``park``, ``unpark``, ``front``, a single take or drop, a
+    #: decode step's claim) read and write element by element
     _VIEWS = (("_nx", "_next"), ("_pv", "_prev"), ("_pk", "_parked"), ("_ow", "owner"), ("_lv", "live"),
               ("_pt", "_parked_typed"))
-
-    def _views(self) -> None:
-        """Memoryviews of the arrays the one-block paths (``park``, ``unpark``, ``front``, a single
-        take or drop) read and write element by element: an item of a memoryview is a Python int in
-        about half the time of a NumPy scalar index. They share the arrays' memory."""
-        for view, array in self._VIEWS:
-            setattr(self, view, memoryview(getattr(self, array)))
-
-    def __getstate__(self) -> dict:
-        """The state without the memoryviews (they cannot be pickled or deep-copied)."""
-        state = self.__dict__.copy()
-        for view, _ in self._VIEWS:
-            del state[view]
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._views()
 
     @property
     def num_parked(self) -> int:
