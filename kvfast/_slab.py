@@ -103,6 +103,24 @@ def _drop_idle(prev, next_, parked, owner, live, parked_typed, tail, pages, rati
 
 
 @njit(cache=True)
+def _touch_pages(prev, next_, parked, owner, live, parked_typed, ratio, pool_prev, pool_next, ref_count, pages):
+    """:func:`_take_pages` of the idle ``pages`` (``idle_only``) then the pool's ``touch_many`` of them
+    (``kvfast._numba.freelist.touch_many``), page by page in one pass: the same state, since the pages
+    are distinct and a page's table step reads only its own ref count. Returns ``(un-parked huge
+    blocks, pages revived off the pool's free list)``."""
+    unparked = 0
+    revived = 0
+    for i in range(pages.shape[0]):
+        b = pages[i]
+        if ref_count[b] == 0:
+            unparked += _ref_one(prev, next_, parked, owner, live, parked_typed, b // ratio)
+            unlink(pool_prev, pool_next, b)
+            revived += 1
+        ref_count[b] += 1
+    return unparked, revived
+
+
+@njit(cache=True)
 def _claim_front(prev, next_, parked, owner, parked_typed, head, leaf, hs, prevs):
     """Unlink the ``hs.shape[0]`` front blocks of the parked queue into ``hs`` (their previous owners
     into ``prevs``) and type them to ``leaf``; the caller checked that many are parked."""
@@ -176,6 +194,7 @@ def _warm() -> None:
     _drop_idle(prev, nxt, parked, owner, live, typed, n + 1, hs, 1, rc)
     _claim_front(prev, nxt, parked, owner, typed, n, 0, np.empty(0, np.int32), np.empty(0, np.int32))
     _claim_run(prev, nxt, parked, owner, live, n, 1, 1, 0, 0, 1)  # an empty run (the scratch arrays only)
+    _touch_pages(prev, nxt, parked, owner, live, typed, 1, prev, nxt, rc, np.empty(0, np.int64))  # no page
     empty = np.full(n + 2, -1, np.int32)
     empty[n] = n + 1  # HEAD -> TAIL
     _parked_order(empty, n, n + 1, np.empty(n, np.int32))
@@ -403,7 +422,15 @@ class FastSlabTable(_MemoryViews):
 
     def touch_pages(self, pool, pages, ratio: int) -> int:
         """:meth:`take_idle` of ``pages``, then ``pool.touch_many(pages)``; the ids of a long run are
-        converted once, for both kernels (a short list keeps the pool's Python path)."""
+        converted once, for both kernels (a short list keeps the pool's Python path). A long run of a
+        ``kvfast.BlockPool`` is one kernel pass over the table and the pool's free list together."""
+        if len(pages) > _SMALL and type(pool) is BlockPool:
+            unparked, revived = _touch_pages(self._prev, self._next, self._parked, self.owner, self.live,
+                                             self._parked_typed, ratio, pool._prev, pool._next, pool.ref_count,
+                                             _ids(pages))
+            self._num_parked -= unparked
+            pool._num_free -= revived
+            return revived
         if len(pages) > _SMALL and isinstance(pool.ref_count, np.ndarray):
             pages = _ids(pages)
         self.take_idle(pages, ratio, pool.ref_count)

@@ -219,7 +219,9 @@ def test_table_page_calls_equal_their_definitions(num_huge, leaf, asks, ratio, s
         assert int(got) == int(pb.touch_many(back)), engine
         assert (a.parked_order(), a.owners(), a.live_counts(), a.num_parked) == \
             (b.parked_order(), b.owners(), b.live_counts(), b.num_parked), engine
-        assert (pa.free_order(), [int(c) for c in pa.ref_count]) == (pb.free_order(), [int(c) for c in pb.ref_count])
+        assert (pa.free_order(), [int(c) for c in pa.ref_count], pa.num_free) == \
+            (pb.free_order(), [int(c) for c in pb.ref_count], pb.num_free), engine
+        assert all(a.parked_typed(i) == b.parked_typed(i) for i in range(3)), engine
         # allocate_pages = the pool's allocate + take_pages of the pages drawn (a draw past the free
         # pages: the pool's CapacityError, neither the pool nor the table changed)
         before = (a.parked_order(), a.owners(), a.live_counts(), a.num_parked, pa.free_order())
