@@ -464,19 +464,32 @@ class BlockPool(_MemoryViews):
         still references moves nothing). ``TypeError`` / ``ValueError`` / ``IndexError`` for
         bad arguments before any change.
         """
+        run = self._retain_free_args(blocks, priority, expiry)
+        if run is not None:
+            blocks, priority, expiry, now, ttl = run
+            self._retain_free_done(*run, *_fl.retain_free(self._prev, self._next, self.ref_count, self._published,
+                                                          self.priority, self.expiry, self._head, self._lo, now,
+                                                          blocks, priority, expiry, ttl))
+
+    def _retain_free_args(self, blocks, priority: int, expiry: float) -> tuple | None:
+        """:meth:`retain_free`'s checks, then ``(blocks as int64, priority, expiry, now, ttl scratch)``
+        for its kernel pass; None when nothing is left for a kernel (no page, or one page, freed here
+        in Python). ``kvfast.FastSlabTable.free_pages`` runs the same pass fused with its own."""
         priority = _ret.check_priority("BlockPool.retain_free", priority, "priority")
         expiry = _check_expiry(expiry)
         if type(blocks) is list and len(blocks) == 1 and type(blocks[0]) is int:
-            return self._retain_free_one(blocks[0], priority, expiry)  # a slide's or checkpoint's page
+            self._retain_free_one(blocks[0], priority, expiry)  # a slide's or checkpoint's page
+            return None
         blocks = _ids(blocks)
         if blocks.size == 0:
-            return
+            return None
         timed = self._ttl or expiry != _ret.NEVER  # as set_retention: a finite claim starts the clock
         ttl = np.empty(blocks.size, np.int32) if timed else _EMPTY_I32
         now = float(self.clock()) if timed else -math.inf
-        bad, freed, lo, k = _fl.retain_free(self._prev, self._next, self.ref_count, self._published,
-                                            self.priority, self.expiry, self._head, self._lo, now,
-                                            blocks, priority, expiry, ttl)
+        return blocks, priority, expiry, now, ttl
+
+    def _retain_free_done(self, blocks, priority, expiry, now, ttl, bad: int, freed: int, lo: int, k: int) -> None:
+        """The pool's bookkeeping after :meth:`retain_free`'s kernel pass returned ``(bad, freed, lo, k)``."""
         if bad <= -2:  # the kernel's range check, before any change
             b = int(blocks[-2 - bad])
             raise IndexError(f"BlockPool.retain_free: block {b} out of range 0..{self.num_blocks - 1}")

@@ -21,7 +21,7 @@ from numba import njit
 
 from ._block_pool import _SMALL, BlockPool, _ids, _MemoryViews
 from ._numba import inner_kernel
-from ._numba.freelist import insert_before, unlink
+from ._numba.freelist import insert_before, retain_free, unlink
 
 
 @inner_kernel
@@ -121,6 +121,21 @@ def _touch_pages(prev, next_, parked, owner, live, parked_typed, ratio, pool_pre
 
 
 @njit(cache=True)
+def _retain_free_drop(pool_prev, pool_next, ref_count, published, prio, expiry, pool_head, lo, now, pages, priority,
+                      until, ttl, prev, next_, parked, owner, live, parked_typed, tail, ratio):
+    """The pool's ``retain_free`` kernel pass over ``pages`` (``kvfast._numba.freelist.retain_free``),
+    then, when it freed every page, :func:`_drop_idle` of them, in one call. Returns the pool's
+    ``(bad, freed, lo, k)`` and the huge blocks parked (0, the table untouched, when the pool
+    refused a page: its caller raises as ``retain_free`` would, before any drop)."""
+    bad, freed, lo, k = retain_free(pool_prev, pool_next, ref_count, published, prio, expiry, pool_head, lo, now,
+                                    pages, priority, until, ttl)
+    if bad != -1:
+        return bad, freed, lo, k, 0
+    return bad, freed, lo, k, _drop_idle(prev, next_, parked, owner, live, parked_typed, tail, pages, ratio,
+                                         ref_count)
+
+
+@njit(cache=True)
 def _claim_front(prev, next_, parked, owner, parked_typed, head, leaf, hs, prevs):
     """Unlink the ``hs.shape[0]`` front blocks of the parked queue into ``hs`` (their previous owners
     into ``prevs``) and type them to ``leaf``; the caller checked that many are parked."""
@@ -195,6 +210,8 @@ def _warm() -> None:
     _claim_front(prev, nxt, parked, owner, typed, n, 0, np.empty(0, np.int32), np.empty(0, np.int32))
     _claim_run(prev, nxt, parked, owner, live, n, 1, 1, 0, 0, 1)  # an empty run (the scratch arrays only)
     _touch_pages(prev, nxt, parked, owner, live, typed, 1, prev, nxt, rc, np.empty(0, np.int64))  # no page
+    _retain_free_drop(prev, nxt, rc, parked, np.zeros(n, np.int8), np.zeros(n), n, 0, 0.0, np.empty(0, np.int64),
+                      35, np.inf, np.empty(0, np.int32), prev, nxt, parked, owner, live, typed, n + 1, 1)  # no page
     empty = np.full(n + 2, -1, np.int32)
     empty[n] = n + 1  # HEAD -> TAIL
     _parked_order(empty, n, n + 1, np.empty(n, np.int32))
@@ -411,7 +428,18 @@ class FastSlabTable(_MemoryViews):
     def free_pages(self, pool, pages, ratio: int, claim: tuple[int, float] | None = None) -> None:
         """``pool.free(pages)`` (``pool.retain_free(pages, *claim)``), then :meth:`drop_idle` of them;
         the ids of a run the pool passes to a kernel are converted once, for both kernels (a short
-        list keeps the pool's Python ``free``)."""
+        list keeps the pool's Python ``free``). A retained run of a ``kvfast.BlockPool`` (a release, a
+        slide) is one kernel call for the pool and the table together."""
+        if claim is not None and len(pages) > 1 and type(pool) is BlockPool:
+            run = pool._retain_free_args(pages, claim[0], claim[1])  # checks first: nothing changed on a bad claim
+            blocks, priority, expiry, now, ttl = run
+            bad, freed, lo, k, parked = _retain_free_drop(
+                pool._prev, pool._next, pool.ref_count, pool._published, pool.priority, pool.expiry, pool._head,
+                pool._lo, now, blocks, priority, expiry, ttl, self._prev, self._next, self._parked, self.owner,
+                self.live, self._parked_typed, self._tail, ratio)
+            self._num_parked += parked
+            pool._retain_free_done(*run, bad, freed, lo, k)  # raises as retain_free would (the table untouched)
+            return
         if len(pages) > (1 if claim is not None else _SMALL) and isinstance(pool.ref_count, np.ndarray):
             pages = _ids(pages)  # what the pool's kernel call converts to; the table reuses it
         if claim is None:

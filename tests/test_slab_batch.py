@@ -211,7 +211,8 @@ def test_table_page_calls_equal_their_definitions(num_huge, leaf, asks, ratio, s
         b.drop_idle(pages, ratio, pb.ref_count)
         assert (a.parked_order(), a.owners(), a.live_counts(), a.num_parked) == \
             (b.parked_order(), b.owners(), b.live_counts(), b.num_parked), engine
-        assert (pa.free_order(), [int(c) for c in pa.ref_count]) == (pb.free_order(), [int(c) for c in pb.ref_count])
+        assert (pa.free_order(), [int(c) for c in pa.ref_count], pa.num_free) == \
+            (pb.free_order(), [int(c) for c in pb.ref_count], pb.num_free), engine
         assert all(a.parked_typed(i) == b.parked_typed(i) for i in range(3))
         back = pages[: int(rng.integers(1, len(pages) + 1))]  # some freed pages referenced again
         got = a.touch_pages(pa, back, ratio)
@@ -361,3 +362,40 @@ def test_a_batched_draw_claims_parked_blocks_of_other_leaves_in_queue_order():
         # blocks 3, 1, 5, 4 in queue order: pages 6, 7, 2, 3, 10, 11, 8 (block 4's page 9 stays free)
         assert out[0][0] == [6, 7, 2, 3, 10, 11, 8], (engine, out[0][0])
         assert len(out[0][1]) == 4, engine  # a's three cached pages and c's one, evicted
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_free_pages_refused_as_its_two_calls(engine):
+    """free_pages with a claim over a run (one kernel call for kvfast's pool and table) refuses as
+    ``retain_free`` then ``drop_idle`` do: a bad claim changes nothing; a page without a reference
+    raises the pool's AssertionError after the pages before it were freed, and the table is not
+    touched (the definition never reaches ``drop_idle``)."""
+    Table, Pool = ENGINES[engine]
+
+    def setup():
+        t, p = Table(8, 1), Pool(8)
+        pages = list(t.claim_pristine_pages(0, 5, 1))
+        p.revoke(range(1, p.num_blocks))
+        p.grant(pages)
+        assert p.allocate(len(pages)) == pages
+        return t, p, pages
+
+    def seen(t, p):
+        return (t.parked_order(), t.owners(), t.live_counts(), t.num_parked, p.free_order(),
+                [int(c) for c in p.ref_count], p.num_free)
+
+    t, p, pages = setup()
+    before = seen(t, p)
+    with pytest.raises(ValueError, match="priority"):
+        t.free_pages(p, pages, 1, (101, float("inf")))
+    assert seen(t, p) == before
+    a, pa, pages = setup()
+    b, pb, _ = setup()
+    a.free_pages(pa, [pages[2]], 1, (40, float("inf")))  # page 3 loses its only reference
+    pb.retain_free([pages[2]], 40, float("inf"))
+    b.drop_idle([pages[2]], 1, pb.ref_count)
+    with pytest.raises(AssertionError, match="ref_count=0"):
+        a.free_pages(pa, pages[::-1], 1, (40, float("inf")))
+    with pytest.raises(AssertionError, match="ref_count=0"):
+        pb.retain_free(pages[::-1], 40, float("inf"))
+    assert seen(a, pa) == seen(b, pb)
