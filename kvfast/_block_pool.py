@@ -304,16 +304,26 @@ class BlockPool(_MemoryViews):
 
     def allocate_array(self, n: int) -> np.ndarray:
         """:meth:`allocate` returning int32 ``[n]``."""
+        out, evicted = self._draw_args(n)
+        if n:
+            k, self._lo = _fl.pop_front_evict(self._prev, self._next, self.ref_count, self._published,
+                                              self.priority, self.expiry, self._head, self._lo, n, out, evicted)
+            self._draw_done(n, evicted, k)
+        return out
+
+    def _draw_args(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`allocate_array`'s check (``CapacityError``, nothing changed) and expiries, then its
+        kernel pass's ``(out, evicted)`` scratch, int32 ``[n]`` each. ``kvfast.FastSlabTable.allocate_pages``
+        runs the same pass fused with its own."""
         if n > self._num_free:
             raise CapacityError(f"BlockPool.allocate: needs {n} blocks, {self._num_free} free or evictable")
-        out = np.empty(n, np.int32)
-        if n == 0:
-            return out
-        if self._heap:
+        if n and self._heap:
             self._expire()
-        evicted = np.empty(n, np.int32)
-        k, self._lo = _fl.pop_front_evict(self._prev, self._next, self.ref_count, self._published, self.priority,
-                                          self.expiry, self._head, self._lo, n, out, evicted)
+        return np.empty(n, np.int32), np.empty(n, np.int32)
+
+    def _draw_done(self, n: int, evicted: np.ndarray, k: int) -> None:
+        """The pool's bookkeeping after a draw's kernel pass popped ``n`` blocks, ``evicted[:k]`` of
+        them published: their index entries dropped, ``on_evict`` told."""
         self._num_free -= n
         if k:
             ev = evicted[:k].tolist()
@@ -326,7 +336,6 @@ class BlockPool(_MemoryViews):
             if cb is not None:
                 for h in hs:
                     cb(h)
-        return out
 
     def allocate_one(self) -> int:
         """:meth:`allocate` of one block, returned as an int (no kernel call: a decode step's page)."""

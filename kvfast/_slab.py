@@ -21,7 +21,7 @@ from numba import njit
 
 from ._block_pool import _SMALL, BlockPool, _ids, _MemoryViews
 from ._numba import inner_kernel
-from ._numba.freelist import insert_before, retain_free, unlink
+from ._numba.freelist import insert_before, pop_front_evict, retain_free, unlink
 
 
 @inner_kernel
@@ -136,6 +136,16 @@ def _retain_free_drop(pool_prev, pool_next, ref_count, published, prio, expiry, 
 
 
 @njit(cache=True)
+def _draw_take(pool_prev, pool_next, ref_count, published, prio, expiry, pool_head, lo, n, out, evicted, prev, next_,
+               parked, owner, live, parked_typed, ratio):
+    """The pool's draw of ``n`` pages (``kvfast._numba.freelist.pop_front_evict`` into ``out``) then
+    :func:`_take_pages` of them, in one call. Returns the pool's ``(evicted count, lo)`` and the huge
+    blocks un-parked."""
+    k, lo = pop_front_evict(pool_prev, pool_next, ref_count, published, prio, expiry, pool_head, lo, n, out, evicted)
+    return k, lo, _take_pages(prev, next_, parked, owner, live, parked_typed, out, ratio, ref_count, False)
+
+
+@njit(cache=True)
 def _claim_front(prev, next_, parked, owner, parked_typed, head, leaf, hs, prevs):
     """Unlink the ``hs.shape[0]`` front blocks of the parked queue into ``hs`` (their previous owners
     into ``prevs``) and type them to ``leaf``; the caller checked that many are parked."""
@@ -205,11 +215,12 @@ def _warm() -> None:
     _take(prev, nxt, parked, owner, live, typed, hs)
     _drop(prev, nxt, parked, owner, live, typed, n + 1, hs)  # parks 1, 2
     _take_pages(prev, nxt, parked, owner, live, typed, hs, 1, rc, True)
-    _take_pages(prev, nxt, parked, owner, live, typed, hs.astype(np.int32), 1, rc, True)  # a pool's draw
     _drop_idle(prev, nxt, parked, owner, live, typed, n + 1, hs, 1, rc)
     _claim_front(prev, nxt, parked, owner, typed, n, 0, np.empty(0, np.int32), np.empty(0, np.int32))
     _claim_run(prev, nxt, parked, owner, live, n, 1, 1, 0, 0, 1)  # an empty run (the scratch arrays only)
     _touch_pages(prev, nxt, parked, owner, live, typed, 1, prev, nxt, rc, np.empty(0, np.int64))  # no page
+    _draw_take(prev, nxt, rc, parked, np.zeros(n, np.int8), np.zeros(n), n, 0, 0, np.empty(0, np.int32),
+               np.empty(0, np.int32), prev, nxt, parked, owner, live, typed, 1)  # no page
     _retain_free_drop(prev, nxt, rc, parked, np.zeros(n, np.int8), np.zeros(n), n, 0, 0.0, np.empty(0, np.int64),
                       35, np.inf, np.empty(0, np.int32), prev, nxt, parked, owner, live, typed, n + 1, 1)  # no page
     empty = np.full(n + 2, -1, np.int32)
@@ -386,23 +397,24 @@ class FastSlabTable(_MemoryViews):
             if n:
                 self._take_one(pages[0] // ratio)
             return
-        self._take_run(_ids(pages), ratio)
-
-    def _take_run(self, pages: np.ndarray, ratio: int) -> None:
-        """:meth:`take_pages` of an id array (int64, or a pool's int32 draw) in one kernel pass."""
         self._num_parked -= _take_pages(self._prev, self._next, self._parked, self.owner, self.live,
-                                        self._parked_typed, pages, ratio, _NO_REFS, False)
+                                        self._parked_typed, _ids(pages), ratio, _NO_REFS, False)
 
     def allocate_pages(self, pool, n: int, ratio: int) -> list[int]:
-        """``pool.allocate(n)`` then :meth:`take_pages` of the pages drawn; a fast pool hands its draw
-        to the table's kernel as the int32 array it filled (no conversion)."""
+        """``pool.allocate(n)`` then :meth:`take_pages` of the pages drawn; with kvfast's pool, its
+        draw and the takes are one kernel call (the pool's check first: ``CapacityError``, nothing
+        changed)."""
         if n <= 1 or type(pool) is not BlockPool:
             got = pool.allocate(n)
             self.take_pages(got, ratio)
             return got
-        got = pool.allocate_array(n)
-        self._take_run(got, ratio)
-        return got.tolist()
+        out, evicted = pool._draw_args(n)
+        k, pool._lo, unparked = _draw_take(pool._prev, pool._next, pool.ref_count, pool._published, pool.priority,
+                                           pool.expiry, pool._head, pool._lo, n, out, evicted, self._prev,
+                                           self._next, self._parked, self.owner, self.live, self._parked_typed, ratio)
+        self._num_parked -= unparked
+        pool._draw_done(n, evicted, k)
+        return out.tolist()
 
     def take_idle(self, pages, ratio: int, ref_count) -> None:
         n = len(pages)

@@ -224,7 +224,18 @@ def test_table_page_calls_equal_their_definitions(num_huge, leaf, asks, ratio, s
             (pb.free_order(), [int(c) for c in pb.ref_count], pb.num_free), engine
         assert all(a.parked_typed(i) == b.parked_typed(i) for i in range(3)), engine
         # allocate_pages = the pool's allocate + take_pages of the pages drawn (a draw past the free
-        # pages: the pool's CapacityError, neither the pool nor the table changed)
+        # pages: the pool's CapacityError, neither the pool nor the table changed); a published free
+        # page the draw reaches is evicted (index entry dropped, on_evict told)
+        evicted = {id(pa): [], id(pb): []}
+        for p in (pa, pb):
+            p.on_evict = evicted[id(p)].append
+        extra = pa.allocate(min(2, pa.num_free))
+        assert pb.allocate(len(extra)) == extra
+        for j, blk in enumerate(extra):
+            for p in (pa, pb):
+                p.publish(blk, bytes([j + 1, seed % 256]) * 16, [blk])
+        pa.free(extra)
+        pb.free(extra)
         before = (a.parked_order(), a.owners(), a.live_counts(), a.num_parked, pa.free_order())
         with pytest.raises(CapacityError):
             a.allocate_pages(pa, pa.num_free + 1, ratio)
@@ -236,7 +247,10 @@ def test_table_page_calls_equal_their_definitions(num_huge, leaf, asks, ratio, s
         assert got == want and all(type(x) is int for x in got), engine
         assert (a.parked_order(), a.owners(), a.live_counts(), a.num_parked) == \
             (b.parked_order(), b.owners(), b.live_counts(), b.num_parked), engine
-        assert (pa.free_order(), [int(c) for c in pa.ref_count]) == (pb.free_order(), [int(c) for c in pb.ref_count])
+        assert (pa.free_order(), [int(c) for c in pa.ref_count], pa.num_free, list(pa.block_hash),
+                dict(pa.hash_to_block), evicted[id(pa)]) == \
+            (pb.free_order(), [int(c) for c in pb.ref_count], pb.num_free, list(pb.block_hash),
+             dict(pb.hash_to_block), evicted[id(pb)]), engine
 
 
 @settings(max_examples=80, deadline=None)
