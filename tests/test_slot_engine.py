@@ -150,3 +150,29 @@ def test_scatter_and_gather_write_the_same_bytes(dtype, data):
     assert outs[0] == outs[1]
     if outs[0][0] >= 0:
         assert not any(outs[0][1]) and not any(outs[0][2])  # a row past the storage: nothing written
+
+
+def test_fast_step_indices_is_the_dataclass_built_by_its_slots():
+    """kvfast builds ``StepIndices`` by its slots' descriptors (``_step_indices``): every field is
+    the value given, in the dataclass's field order, the object stays frozen, and the dataclass has
+    no ``__post_init__`` the shortcut would skip (a field added, reordered or validated fails here)."""
+    import dataclasses
+
+    from kvfast._slot_engine import _step_indices
+    from kvspec import StepIndices
+
+    assert not hasattr(StepIndices, "__post_init__")
+    names = [f.name for f in dataclasses.fields(StepIndices)]
+    values = [object() for _ in names]
+    fast, slow = _step_indices(*values), StepIndices(*values)
+    assert type(fast) is StepIndices
+    assert [getattr(fast, n) for n in names] == [getattr(slow, n) for n in names] == values
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.past_len = None
+    # the engine's step holds, field by field, what kvref's StepIndices(...) holds
+    cfg = KVCacheConfig(num_layers=1, max_seqs=4, max_seq_len=64, mode=KVCacheMode.PAGED, block_size=4)
+    steps = [mod.KVCache.make(cfg, [KVLayerSpec.attention(1, 2)]).prepare_step([0, 3, 4], [0, 0], [2, 0])
+             for mod in (kvref, kvfast)]
+    for n in names:
+        want, got = (getattr(st_, n) for st_ in steps)
+        assert type(got) is type(want) and np.array_equal(got, want), n
