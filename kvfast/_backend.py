@@ -40,12 +40,12 @@ def _make_cache(config, layer_specs):
     return _both_scatter_paths_cache().make(config, layer_specs)
 
 
-def _make_manager(params, *, num_blocks, max_batch_size, max_seq_len, device="cpu", connector=None):
+def _make_manager(params, *, num_blocks, max_batch_size, max_seq_len, device="cpu", connector=None, clock=None):
     from ._manager import PagedKVCacheManager
 
     return PagedKVCacheManager(
         params, num_blocks=num_blocks, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-        device=device, connector=connector,
+        device=device, connector=connector, clock=clock,
     )
 
 

@@ -485,7 +485,7 @@ class BlockPool(_MemoryViews):
         for its kernel pass; None when nothing is left for a kernel (no page, or one page, freed here
         in Python). ``kvfast.FastSlabTable.free_pages`` runs the same pass fused with its own."""
         priority = _ret.check_priority("BlockPool.retain_free", priority, "priority")
-        expiry = _check_expiry(expiry)
+        expiry = _ret.check_expiry("BlockPool.set_retention", expiry)
         if type(blocks) is list and len(blocks) == 1 and type(blocks[0]) is int:
             self._retain_free_one(blocks[0], priority, expiry)  # a slide's or checkpoint's page
             return None
@@ -541,13 +541,16 @@ class BlockPool(_MemoryViews):
         r = rc[b]
         if r <= 0:
             raise AssertionError(f"BlockPool.free: block {b} ref_count={r}")
-        rc[b] = r - 1
         if r > 1:
+            rc[b] = r - 1
             return
+        e = self._ex[b]
+        if now is None and e != _ret.NEVER and self._pub[b]:
+            now = self.clock()  # spec/manager.md §14.7: read (and checked) before the change
+        rc[b] = r - 1
         prv, nxt = self._pv, self._nx
         if self._pub[b]:
-            e = self._ex[b]
-            if e != _ret.NEVER and e <= (self.clock() if now is None else now):  # spec/manager.md §14.5: when freed
+            if e != _ret.NEVER and e <= now:  # spec/manager.md §14.5: when freed
                 self._pr[b] = _ret.NO_CLAIM
                 self._ex[b] = e = _ret.NEVER
             pr = self._pr[b]
@@ -812,18 +815,20 @@ class BlockPool(_MemoryViews):
         ``ValueError`` / ``IndexError`` before any change.
         """
         priority = _ret.check_priority("BlockPool.set_retention", priority, "priority")
-        expiry = _check_expiry(expiry)
+        expiry = _ret.check_expiry("BlockPool.set_retention", expiry)
         arr = _ids(blocks)
         if arr.size == 0:
             return
         if int(arr.min()) < 0 or int(arr.max()) >= self.num_blocks:
             bad = arr[(arr < 0) | (arr >= self.num_blocks)][0]
             raise IndexError(f"BlockPool.set_retention: block {int(bad)} out of range 0..{self.num_blocks - 1}")
+        # spec/manager.md §14.7: the clock read (and checked) before the first change
+        now = float(self.clock()) if self._ttl or expiry != _ret.NEVER else -math.inf
         if expiry != _ret.NEVER:
             self._ttl = True
         ttl = self._ttl_out(arr.size)
         self._lo, k = _fl.set_retention(self._prev, self._next, self.ref_count, self._published, self.priority,
-                                        self.expiry, self._head, self._lo, arr, priority, expiry, self._now(), ttl)
+                                        self.expiry, self._head, self._lo, arr, priority, expiry, now, ttl)
         if k:
             self._push(ttl[:k])
 
@@ -981,13 +986,3 @@ def _ids(blocks) -> np.ndarray:
     return np.fromiter(blocks, np.int64, len(blocks))
 
 
-def _check_expiry(expiry) -> float:
-    """An expiry as a float (not NaN); ``TypeError`` / ``ValueError`` otherwise."""
-    if type(expiry) is float and expiry == expiry:  # the manager's (a float, not NaN): no ABC checks
-        return expiry
-    if isinstance(expiry, bool) or not isinstance(expiry, (int, float, np.floating, np.integer)):
-        raise TypeError(f"BlockPool.set_retention: expiry={expiry!r}, must be a float (math.inf: none)")
-    e = float(expiry)
-    if math.isnan(e):
-        raise ValueError(f"BlockPool.set_retention: expiry={expiry!r}, must not be NaN")
-    return e

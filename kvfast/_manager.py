@@ -59,6 +59,7 @@ from kvspec._manager_types import (
     TextContext,
 )
 from kvspec.errors import InsufficientBlocksError, insufficient_blocks_message
+from kvspec.retention import held
 
 import kvref
 
@@ -258,11 +259,12 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                 return False
         elif any(n > pools[lid].num_free for lid, n in demand.items()):
             return False
-        for lid, n in demand.items():
-            if n == 1:
-                rows[lid].append(pools[lid].allocate_one())
-            else:
-                rows[lid].extend(pools[lid].allocate(n))
+        with held(self._clock):  # spec/manager.md §14.7: one reading for every pool drawn from
+            for lid, n in demand.items():
+                if n == 1:
+                    rows[lid].append(pools[lid].allocate_one())
+                else:
+                    rows[lid].extend(pools[lid].allocate(n))
         return True
 
     def _alloc_fast(self, ctx: TextContext, defer_lookup: bool) -> KVTransfer:
@@ -289,7 +291,8 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         if self._offloads and self._completions_moved():
             self._drain()  # spec/manager.md §9.2: finished transfers land before anything is sized
         if not self._single:
-            return self._splice_leaves(req, ctx, defer_lookup)
+            with held(self._clock):  # spec/manager.md §14.7: one reading for every pool drawn from
+                return self._splice_leaves(req, ctx, defer_lookup)
         leaf_id = self._conn_leaf
         r = req.replica
         pool = self._pools[r][leaf_id]
@@ -527,17 +530,20 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                 else:
                     req.step_gen += 1
                     return
-            # spec/manager.md §5.1 to spec/manager.md §5.3, in that order: the commit in every paged
-            # leaf, the checkpoint, the slide (the policy's step for a settled request)
-            req.step_gen += 1
-            if caching and (ctx._length - 1) // page == len(req.hashes) + 1 == req.committed + 1 == filled:
-                self._fill_leaves(req, ctx, filled - 1)  # a decode step filled one block
-            else:
-                self._commit(req, ctx)  # several blocks (a prefill), or none
-            if self._state_ids:
-                self._checkpoint(req, ctx)
-            if self._windows:
-                self._slide(req, ctx)
+            # spec/manager.md §14.7: the clock read (and checked) once, before anything changes
+            with held(self._clock):
+                expiry = self._claim_expiry(ctx) if self._state_ids or self._windows else None
+                # spec/manager.md §5.1 to spec/manager.md §5.3, in that order: the commit in every paged
+                # leaf, the checkpoint, the slide (the policy's step for a settled request)
+                req.step_gen += 1
+                if caching and (ctx._length - 1) // page == len(req.hashes) + 1 == req.committed + 1 == filled:
+                    self._fill_leaves(req, ctx, filled - 1)  # a decode step filled one block
+                else:
+                    self._commit(req, ctx)  # several blocks (a prefill), or none
+                if self._state_ids:
+                    self._checkpoint(req, ctx, expiry)
+                if self._windows:
+                    self._slide(req, ctx, expiry)
             return
         return super().step(ctx)
 
@@ -688,25 +694,30 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         req = self._requests.get(ctx.request_id) if type(ctx) is TextContext else None
         if req is None or req.ctx is not ctx:
             req = self._req("release", ctx, allow_id=True)  # raises, a request id, or a replacement context
-        del self._requests[req.ctx.request_id]
         if req.dummy:
+            del self._requests[req.ctx.request_id]
             return
-        if req.load is not None:
-            req.load.request_id = None  # a finished load record: nothing lands for it any more
-        # spec/manager.md §6: tail first, so a chain's tail is evicted before its head; spec/manager.md
-        # §14.2: the request's retention claim merged first
-        pools = self._pools[req.replica]
-        if self._single:
-            row = req.rows[self._conn_leaf]
-            if row:
-                pages = _ids(row[::-1])  # int64 ids, converted once for the kernel call
-                self._let_go(pools[self._conn_leaf], pages, req.ctx)
-        else:
-            rows = req.rows
-            for lid in self._leaf:  # leaf order, as the policy; a slab's leaf pool takes the list as it is
-                row = rows[lid]
+        # spec/manager.md §14.7: the clock is read (and its reading checked) before anything changes,
+        # once: every pool the request lets go in sees that instant
+        with held(self._clock):
+            expiry = self._claim_expiry(req.ctx)
+            del self._requests[req.ctx.request_id]
+            if req.load is not None:
+                req.load.request_id = None  # a finished load record: nothing lands for it any more
+            # spec/manager.md §6: tail first, so a chain's tail is evicted before its head; spec/manager.md
+            # §14.2: the request's retention claim merged first
+            pools = self._pools[req.replica]
+            if self._single:
+                row = req.rows[self._conn_leaf]
                 if row:
-                    self._let_go(pools[lid], row[::-1], req.ctx)
+                    pages = _ids(row[::-1])  # int64 ids, converted once for the kernel call
+                    self._let_go(pools[self._conn_leaf], pages, req.ctx, expiry)
+            else:
+                rows = req.rows
+                for lid in self._leaf:  # leaf order, as the policy; a slab's leaf pool takes the list as it is
+                    row = rows[lid]
+                    if row:
+                        self._let_go(pools[lid], row[::-1], req.ctx, expiry)
         if self._uses_connector and req.committed:
             self._tier_touch(req.replica, req.hashes[: req.committed])
             self._tier_retain(req.replica, req.hashes[: req.committed], req.ctx)  # spec/manager.md §14.9

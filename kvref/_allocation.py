@@ -17,6 +17,7 @@ from kvspec._manager_types import (
     TextContext,
 )
 from kvspec.engine import NULL_BLOCK
+from kvspec.retention import held
 from kvspec.errors import InsufficientBlocksError, KVLoadFailed, KVLoadRefused, insufficient_blocks_message
 
 from ._leaves import Leaf
@@ -79,7 +80,8 @@ class Allocation:
             if self._loads or self._offloads:
                 self._drain()
             try:
-                return self._grow(req, ctx)
+                with held(self._clock):  # spec/manager.md §14.7: one reading for every pool drawn from
+                    return self._grow(req, ctx)
             except _AwaitOffloads as wait:
                 self._settle_offloads(wait)
             return self.alloc(ctx)  # spec/manager.md §4 step 6: sized again after the wait
@@ -106,7 +108,8 @@ class Allocation:
         except _AwaitOffloads as wait:
             self._settle_offloads(wait)
             return self.alloc(ctx, defer_lookup=defer_lookup)  # spec/manager.md §4 step 6: sized again
-        return self._commit_alloc(req, ctx, plan)  # nothing below can fail
+        with held(self._clock):  # spec/manager.md §14.7: read and checked once, before the commit
+            return self._commit_alloc(req, ctx, plan)  # nothing below can fail
 
     def _grow(self, req: _Request, ctx: TextContext) -> KVTransfer:
         """spec/manager.md §4.6 and §4.9 for a request that holds pages and has nothing in flight: size

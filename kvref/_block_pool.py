@@ -290,7 +290,10 @@ class BlockPool:
         A block reaching 0 goes to the front of the free list if unpublished,
         to the back if published. The null block is skipped.
         """
-        now = None
+        blocks = list(blocks)
+        # spec/manager.md §14.7: the clock is read (and its reading checked) before any change,
+        # once, when some block given holds a claim that may expire
+        now = self.clock() if any(b != NULL_BLOCK and self.expiry[b] != _ret.NEVER for b in blocks) else None
         for block in blocks:
             if block == NULL_BLOCK:
                 continue
@@ -303,7 +306,6 @@ class BlockPool:
                     self._free.move_to_end(block, last=False)
                     continue
                 if self.expiry[block] != _ret.NEVER:  # spec/manager.md §14.5: checked when freed
-                    now = self.clock() if now is None else now
                     if self.expiry[block] <= now:
                         self._drop_claim(block)
                 self._append(block)
@@ -403,17 +405,17 @@ class BlockPool:
         ``priority`` or ``expiry``.
         """
         priority = _ret.check_priority("BlockPool.set_retention", priority, "priority")
-        expiry = _check_expiry(expiry)
+        expiry = _ret.check_expiry("BlockPool.set_retention", expiry)
         blocks = list(blocks)
         for b in blocks:
             if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 0 <= b < self.num_blocks:
                 raise IndexError(f"BlockPool.set_retention: block {b!r} out of range 0..{self.num_blocks - 1}")
-        now = -math.inf
+        # spec/manager.md §14.7: one clock reading, checked before any change, when a claim held may expire
+        timed = any(b != NULL_BLOCK and self.block_hash[b] is not None and self.expiry[b] != _ret.NEVER for b in blocks)
+        now = self.clock() if timed else -math.inf
         for b in blocks:
             if b == NULL_BLOCK or self.block_hash[b] is None:
                 continue
-            if self.expiry[b] != _ret.NEVER and now == -math.inf:
-                now = self.clock()
             self.priority[b], self.expiry[b] = _ret.merge(self.priority[b], self.expiry[b], priority, expiry, now)
             if self.ref_count[b] == 0 and b not in self._off:
                 self._unlink(b)
@@ -526,11 +528,3 @@ class BlockPool:
                 assert b != NULL_BLOCK, f"{p}: a table references block 0 as live"
 
 
-def _check_expiry(expiry) -> float:
-    """An expiry as a float (not NaN); ``TypeError`` / ``ValueError`` otherwise."""
-    if isinstance(expiry, bool) or not isinstance(expiry, (int, float, np.floating, np.integer)):
-        raise TypeError(f"BlockPool.set_retention: expiry={expiry!r}, must be a float (math.inf: none)")
-    e = float(expiry)
-    if math.isnan(e):
-        raise ValueError(f"BlockPool.set_retention: expiry={expiry!r}, must not be NaN")
-    return e

@@ -13,7 +13,7 @@ import numpy as np
 
 from kvspec._manager_types import TextContext
 from kvspec.engine import NULL_BLOCK
-from kvspec.retention import expiry_of
+from kvspec.retention import NEVER, expiry_of, held
 
 from ._request import _Request
 
@@ -57,6 +57,17 @@ class Commit:
             errors = self._poll_load(req.load) if req.load is not None and req.load.state == "pending" else []
             if errors:
                 raise errors[0]
+        if self._recurrent_leaves or self._sliding_leaves:
+            # spec/manager.md §14.7: a checkpoint or slide lets pages go under the request's claim;
+            # the clock is read (and checked) once, before the step changes anything
+            with held(self._clock):
+                self._step_settled(req, ctx, settled, self._claim_expiry(ctx))
+        else:
+            self._step_settled(req, ctx, settled, None)
+
+    def _step_settled(self, req: _Request, ctx: TextContext, settled: bool, expiry: float | None) -> None:
+        """``step`` past its checks: the forward counted, the admission's flags cleared, then
+        the commit, the checkpoint and the slide (``expiry``: the claim's, read by ``step``)."""
         req.step_gen += 1
         if not settled:
             req.end_admission()  # the admission's flags cleared
@@ -68,9 +79,9 @@ class Commit:
                 return
         self._commit(req, ctx)
         if self._recurrent_leaves:
-            self._checkpoint(req, ctx)
+            self._checkpoint(req, ctx, expiry)
         if self._sliding_leaves:
-            self._slide(req, ctx)
+            self._slide(req, ctx, expiry)
 
     def _commit(self, req: _Request, ctx: TextContext) -> None:
         """spec/manager.md §5.1: publish row blocks ``committed .. processed // page`` of every
@@ -109,12 +120,20 @@ class Commit:
             toks = np.array(tokens[: (stop - lo) * page], dtype=np.int32).reshape(stop - lo, page)
             self._offload_queue[r].append((hashes[lo:stop], toks))
 
-    def _let_go(self, pool, pages, ctx: TextContext) -> None:
+    def _claim_expiry(self, ctx: TextContext) -> float:
+        """The expiry of the retention claim ``ctx`` makes now (spec/manager.md §14.7): one clock
+        read, checked, taken before the caller changes anything."""
+        return expiry_of(ctx._retention_seconds, self._clock) if self._caching else NEVER
+
+    def _let_go(self, pool, pages, ctx: TextContext, expiry: float | None = None) -> None:
         """The request lets go of ``pages`` (in the order given): its retention claim merged into
         the published ones (spec/manager.md §14.2), then its references dropped (spec/manager.md §6); one engine
-        call (``retain_free``)."""
+        call (``retain_free``). ``expiry``: the claim's, read by the caller before its first change
+        (None: read here, for a caller whose first change this is)."""
         if self._caching and len(pages):
-            pool.retain_free(pages, ctx._retention_priority, expiry_of(ctx._retention_seconds, self._clock))
+            if expiry is None:
+                expiry = expiry_of(ctx._retention_seconds, self._clock)
+            pool.retain_free(pages, ctx._retention_priority, expiry)
         else:
             pool.free(pages)
 
@@ -144,7 +163,7 @@ class Commit:
             pool.free([b])
         return canon
 
-    def _checkpoint(self, req: _Request, ctx: TextContext) -> None:
+    def _checkpoint(self, req: _Request, ctx: TextContext, expiry: float | None = None) -> None:
         p = ctx.processed_length
         if not self._caching or p == 0 or p % self._page:
             return
@@ -161,10 +180,10 @@ class Commit:
                 buf = self._buffers[req.replica][leaf.leaf_id]
                 self._engine.copy_page(buf, succ, buf, live)
             pool.publish(live, h, toks)
-            self._let_go(pool, [live], ctx)  # spec/manager.md §14.2
+            self._let_go(pool, [live], ctx, expiry)  # spec/manager.md §14.2
             req.rows[leaf.leaf_id] = [succ]
 
-    def _slide(self, req: _Request, ctx: TextContext) -> None:
+    def _slide(self, req: _Request, ctx: TextContext, expiry: float | None = None) -> None:
         filled = ctx.processed_length // self._page
         for leaf in self._sliding_leaves:
             cut, lo = leaf.window_start(filled), req.nulled.get(leaf.leaf_id, 0)
@@ -172,6 +191,6 @@ class Commit:
                 continue
             row = req.rows[leaf.leaf_id]
             # spec/manager.md §5.3: freed tail first, nulled in place (row index = same tokens in every leaf).
-            self._let_go(self._pools[req.replica][leaf.leaf_id], row[lo:cut][::-1], ctx)  # spec/manager.md §14.2
+            self._let_go(self._pools[req.replica][leaf.leaf_id], row[lo:cut][::-1], ctx, expiry)  # spec/manager.md §14.2
             row[lo:cut] = [NULL_BLOCK] * (cut - lo)
             req.nulled[leaf.leaf_id] = cut

@@ -37,7 +37,7 @@ from kvspec._manager_types import (
 )
 from kvspec._page_store import BookkeepingPageStore, PaddedPageStore, ScaledPageStore
 from kvspec.engine import NULL_BLOCK, BlockPool, ManagerEngine
-from kvspec.retention import check_clock
+from kvspec.retention import check_clock, held
 
 from ._allocation import Allocation
 from ._commit import Commit
@@ -537,13 +537,18 @@ class PagedKVCacheManager(PrefixHits, Allocation, Commit, Transfers, RuntimeInpu
         self._check_open("release")  # spec/manager.md §9.7: validated before the request is forgotten
         req = self._req("release", ctx, allow_id=True)
         r = req.replica
-        del self._requests[req.ctx.request_id]
         if req.dummy:
+            del self._requests[req.ctx.request_id]
             return
-        if req.load is not None:
-            req.load.request_id = None
-        for leaf in self._leaves:
-            self._let_go(self._pools[r][leaf.leaf_id], req.rows[leaf.leaf_id][::-1], req.ctx)
+        # spec/manager.md §14.7: the clock is read (and its reading checked) before anything changes,
+        # once: every pool the request lets go in sees that instant
+        with held(self._clock):
+            expiry = self._claim_expiry(req.ctx)
+            del self._requests[req.ctx.request_id]
+            if req.load is not None:
+                req.load.request_id = None
+            for leaf in self._leaves:
+                self._let_go(self._pools[r][leaf.leaf_id], req.rows[leaf.leaf_id][::-1], req.ctx, expiry)
         if self._uses_connector and req.committed:
             self._tier_touch(r, req.hashes[: req.committed])
             self._tier_retain(r, req.hashes[: req.committed], req.ctx)  # spec/manager.md §14.9

@@ -957,12 +957,12 @@ class KVCache:
             hits = hits[:k]
             if k:
                 checkpoint = hashes[k - 1]
-        # ---- commit (nothing below can fail)
-        for col, blk in enumerate(hits):
-            self._pool.touch(blk)
-            self._table[b, col] = blk
         if hits:
-            self._pool.set_retention(hits, prio, _retention.expiry_of(secs, self._clock))
+            # spec/manager.md §14.7: the clock is read (and its reading checked) before any change,
+            # once: the pool's own reading below is the same instant
+            with _retention.held(self._clock):
+                expiry = _retention.expiry_of(secs, self._clock)
+                self._admit_hits(b, hits, prio, expiry)
         self._nblk[b] = len(hits)
         self._nshared[b] = len(hits)
         self._seq[b] = len(hits) * P
@@ -974,6 +974,13 @@ class KVCache:
             self._checkpoints.move_to_end(checkpoint)
             self._restore_state(b, self._checkpoints[checkpoint])
         return len(hits) * P
+
+    def _admit_hits(self, b: int, hits: list[int], prio: int, expiry: float) -> None:
+        """Slot ``b`` adopts the hit blocks (one reference each) and claims them (spec/slot-cache.md §4.5)."""
+        for col, blk in enumerate(hits):
+            self._pool.touch(blk)
+            self._table[b, col] = blk
+        self._pool.set_retention(hits, prio, expiry)
 
     def _restore_state(self, b: int, saved: list[np.ndarray]) -> None:
         self._engine.restore_rows(self._slabs, b, saved)
@@ -1042,28 +1049,31 @@ class KVCache:
                 j = col * P + int(diff[0])
                 raise ValueError(f"{api}: full_token_ids[{j}]={mine[diff[0]]} but adopted block {col} holds {stored[diff[0]]}")
         hashes = self._chain(tokens, n_pub)
-        # ---- commit (nothing below can fail)
-        parent = root_hash(self._config.hash_seed)  # spec/slot-cache.md §4: the slot cache's chain has no salt
-        for col, h in enumerate(hashes):
-            blk = int(self._table[b, col])
-            canonical = self._pool.publish(blk, h, tokens[col * P : (col + 1) * P])
-            # spec/slot-cache.md §4.2: a twin keeps the existing copy; ours stays unpublished and is freed to the front.
-            if canonical == blk and self._pool.block_hash[blk] == h:
-                self._parents[h] = parent
-            parent = h
-        ncp = self._config.resolved_num_state_checkpoints
-        if self._has_state and ncp > 0 and n_pub and a == seq and a % P == 0:
-            key = hashes[-1]
-            if self._pool.contains_hash(key):
-                self._checkpoints[key] = self._engine.save_rows(self._slabs, b)
-                self._checkpoints.move_to_end(key)
-                while len(self._checkpoints) > ncp:
-                    # spec/slot-cache.md §4.3: least recently used checkpoint dropped first.
-                    self._checkpoints.popitem(last=False)
-        # spec/slot-cache.md §4.5: the claim goes to the slot's published blocks (held, so none moves)
-        self._pool.set_retention(self._table[b, : int(self._nblk[b])].tolist(), prio,
-                                 _retention.expiry_of(secs, self._clock))
-        self._release(b)
+        # spec/manager.md §14.7: the clock is read (and its reading checked) before any change, once:
+        # the claim's expiry and the pool's readings while the slot is released are that instant
+        with _retention.held(self._clock):
+            expiry = _retention.expiry_of(secs, self._clock)
+            # ---- commit (nothing below can fail)
+            parent = root_hash(self._config.hash_seed)  # spec/slot-cache.md §4: the slot cache's chain has no salt
+            for col, h in enumerate(hashes):
+                blk = int(self._table[b, col])
+                canonical = self._pool.publish(blk, h, tokens[col * P : (col + 1) * P])
+                # spec/slot-cache.md §4.2: a twin keeps the existing copy; ours stays unpublished and is freed to the front.
+                if canonical == blk and self._pool.block_hash[blk] == h:
+                    self._parents[h] = parent
+                parent = h
+            ncp = self._config.resolved_num_state_checkpoints
+            if self._has_state and ncp > 0 and n_pub and a == seq and a % P == 0:
+                key = hashes[-1]
+                if self._pool.contains_hash(key):
+                    self._checkpoints[key] = self._engine.save_rows(self._slabs, b)
+                    self._checkpoints.move_to_end(key)
+                    while len(self._checkpoints) > ncp:
+                        # spec/slot-cache.md §4.3: least recently used checkpoint dropped first.
+                        self._checkpoints.popitem(last=False)
+            # spec/slot-cache.md §4.5: the claim goes to the slot's published blocks (held, so none moves)
+            self._pool.set_retention(self._table[b, : int(self._nblk[b])].tolist(), prio, expiry)
+            self._release(b)
 
     # ------------------------------------------------------------------ invariants
 

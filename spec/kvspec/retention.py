@@ -22,7 +22,7 @@ from typing import Callable
 
 __all__ = [
     "DEFAULT_PRIORITY", "MIN_PRIORITY", "MAX_PRIORITY", "NUM_LEVELS", "NO_CLAIM", "NEVER",
-    "check_priority", "check_seconds", "check_clock", "expiry_of", "merge", "level_of",
+    "check_priority", "check_seconds", "check_expiry", "check_clock", "check_reading", "CheckedClock", "held", "expiry_of", "merge", "level_of",
 ]
 
 #: Priority of a request that asks for nothing, and the level of a page without a claim.
@@ -55,19 +55,117 @@ def check_seconds(owner: str, value, name: str = "retention_seconds") -> float |
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{owner}: {name}={value!r}, must be None or a real number of seconds > 0")
-    v = float(value)
+    try:
+        v = float(value)
+    except OverflowError:  # an int past float's range (10**400): out of range, not a crash
+        v = math.inf
     if not math.isfinite(v) or v <= 0:
         raise ValueError(f"{owner}: {name}={value!r}, must be None or a finite number of seconds > 0")
     return v
 
 
+def check_expiry(owner: str, value) -> float:
+    """An absolute expiry (``math.inf``: none) as a float; ``TypeError`` (not a real number) /
+    ``ValueError`` (NaN, an int past float's range) naming ``owner`` and the value."""
+    if type(value) is float and value == value:  # the managers' (a float, not NaN): no ABC checks
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{owner}: expiry={value!r}, must be a float (math.inf: none)")
+    try:
+        e = float(value)
+    except OverflowError:
+        raise ValueError(f"{owner}: expiry={value!r}, past float's range (math.inf: none)") from None
+    if math.isnan(e):
+        raise ValueError(f"{owner}: expiry={value!r}, must not be NaN")
+    return e
+
+
+def check_reading(owner: str, value) -> float:
+    """A clock reading as a finite float; ``TypeError`` (not a real number) / ``ValueError``
+    (NaN, infinite, past float's range) naming ``owner``'s clock and the value."""
+    if type(value) is float and math.isfinite(value):
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{owner}: clock() returned {value!r}, must be a finite real number of seconds")
+    try:
+        v = float(value)
+    except OverflowError:
+        v = math.inf
+    if not math.isfinite(v):
+        raise ValueError(f"{owner}: clock() returned {value!r}, must be a finite real number of seconds")
+    return v
+
+
+class CheckedClock:
+    """A user's clock whose every reading is checked (:func:`check_reading`) before it is used.
+
+    spec/manager.md §14.7: a call that reads the clock reads it before it changes anything, so
+    a bad reading raises with the state as before the call. Inside ``with clock:`` the clock
+    is read once, on entry, and every reading within returns that value: a call that lets
+    pages go in several pools sees one instant, and a clock that fails on a second reading
+    cannot stop it half-way.
+    """
+
+    __slots__ = ("clock", "owner", "_held", "_depth")
+
+    def __init__(self, owner: str, clock: Callable[[], float]):
+        self.owner = owner
+        self.clock = clock
+        self._held = None
+        self._depth = 0
+
+    def __call__(self) -> float:
+        held = self._held
+        if held is not None:
+            return held
+        return check_reading(self.owner, self.clock())
+
+    def __enter__(self) -> float:
+        if self._depth == 0:
+            self._held = check_reading(self.owner, self.clock())
+        self._depth += 1
+        return self._held
+
+    def __exit__(self, *exc) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._held = None
+
+    def __repr__(self) -> str:
+        return f"CheckedClock({self.clock!r})"
+
+
+class _Unheld:
+    """``with held(time.monotonic):``: nothing to hold (the monotonic clock cannot fail)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+_UNHELD = _Unheld()
+
+
+def held(clock: Callable[[], float]):
+    """A context in which ``clock`` reads once: the :class:`CheckedClock` itself (its reading
+    taken and checked on entry), or a no-op for ``time.monotonic``."""
+    return clock if type(clock) is CheckedClock else _UNHELD
+
+
 def check_clock(owner: str, clock) -> Callable[[], float]:
-    """``clock`` (``None``: ``time.monotonic``) if it is callable, else ``TypeError``."""
+    """``clock`` (``None``: ``time.monotonic``) wrapped in a :class:`CheckedClock` if it is
+    a user's callable, else ``TypeError``."""
     if clock is None:
         return time.monotonic
+    if clock is time.monotonic or isinstance(clock, CheckedClock):
+        return clock
     if not callable(clock):
         raise TypeError(f"{owner}: clock={clock!r}, must be a zero-argument callable returning seconds")
-    return clock
+    return CheckedClock(owner, clock)
 
 
 def expiry_of(seconds: float | None, clock: Callable[[], float]) -> float:

@@ -75,7 +75,7 @@ class Backend:
     make_cache : callable(config, layer_specs) -> KVCache, optional
         Builds a slot cache (``KVCache.make``); required when ``"contiguous"``
         or ``"paged"`` is declared.
-    make_manager : callable(params, *, num_blocks, max_batch_size, max_seq_len, device="cpu", connector=None), optional
+    make_manager : callable(params, *, num_blocks, max_batch_size, max_seq_len, device="cpu", connector=None, clock=None), optional
         Builds a ``PagedKVCacheManager``; required when ``"manager"`` is declared.
     ops : module, optional
         Provides ``append_kv``, ``gather_kv`` and ``varlen_attention`` (see

@@ -120,6 +120,7 @@ def test_a_pool_of_priority_100_pages_still_serves_what_fits(kv_backend, kv_orac
     (dict(retention_priority=True), TypeError, "TextContext: retention_priority=True"),
     (dict(retention_seconds=0), ValueError, "TextContext: retention_seconds=0"),
     (dict(retention_seconds=float("inf")), ValueError, "TextContext: retention_seconds=inf"),
+    (dict(retention_seconds=10**400), ValueError, "TextContext: retention_seconds=1000"),  # past float: not OverflowError
 ])
 def test_context_arguments_are_checked(value, exc, text):
     """spec/manager.md §14.1: each argument named with its value."""
@@ -198,3 +199,56 @@ def test_slot_cache_arguments_are_checked_before_any_change(kv_backend, kv_oracl
         return [before, cache.seq_lens().tolist(), cache.admit(0, [1, 2, 3])]
 
     _both(kv_backend, kv_oracle, scenario, ("paged",))
+
+
+# ---------------------------------------------------------------- the clock's readings (spec/manager.md §14.7)
+
+class _FlakyClock:
+    """Returns ``t``; after :meth:`fail_after` ``n`` good readings, ``bad`` (a user's broken clock)."""
+
+    def __init__(self):
+        self.t, self.left, self.bad = 1.0, None, None
+
+    def fail_after(self, n: int, bad) -> None:
+        self.left, self.bad = n, bad
+
+    def __call__(self):
+        if self.left is None:
+            return self.t
+        if self.left == 0:
+            return self.bad
+        self.left -= 1
+        return self.t
+
+
+@pytest.mark.parametrize("bad, exc", [(None, TypeError), (float("nan"), ValueError), (10**400, ValueError)])
+def test_a_bad_clock_reading_changes_nothing(kv_backend, kv_oracle, bad, exc):
+    """spec/manager.md §14.7: ``release`` reads its clock before it forgets the request; a bad
+    reading is the documented error and the request stays claimed, its pages held; a clock
+    that fails only on a second reading within one call does not stop the call."""
+    def scenario(backend):
+        clock = _FlakyClock()
+        params = KVCacheParams(page_size=PAGE, num_layers=1, kv_heads=1, head_dim=2, dtype="float32")
+        m = backend.build_manager(params, num_blocks=9, max_batch_size=2, max_seq_len=24, clock=clock)
+        ctx = TextContext("a", np.arange(100, 110, dtype=np.int32), retention_seconds=30.0)
+        m.claim(ctx)
+        m.alloc(ctx)
+        ctx.update(7)
+        m.step(ctx)
+        clock.fail_after(0, bad)
+        try:
+            m.release(ctx)
+            refused = None
+        except (TypeError, ValueError) as e:
+            refused = (type(e).__name__, "clock() returned" in str(e))
+        clock.left = None
+        m.check_invariants()
+        claimed = m.contains(ctx.request_id)
+        clock.fail_after(1, bad)
+        m.release(ctx)  # one good reading, then bad: the release completes
+        clock.left = None
+        m.check_invariants()
+        again = _serve(m, "b", np.arange(100, 110, dtype=np.int32))
+        return [refused, claimed, again]
+
+    assert _both(kv_backend, kv_oracle, scenario) == [(exc.__name__, True), True, 8]
