@@ -279,6 +279,8 @@ class Allocation:
             fresh = self._pools[r][conn].peek(len(pops) + plan.need[conn], skip=touched.get(conn, ()))[len(pops):]
             dest += fresh[: n - len(dest)]
         toks = np.array(ctx.tokens[k * page : (k + n) * page], dtype=np.int32).reshape(n, page)
+        if self._journal is not None and self._holds_bytes:
+            self._journal_pages(self._conn_stores[r], dest)  # spec/manager.md §17.3
         try:
             handle = self._connector.load(dest, hashes[k : k + n], toks, r)
             done = handle.is_complete()
@@ -405,6 +407,8 @@ class Allocation:
     def _run_copies(self, req: _Request, copies: list) -> None:
         """Byte copies of an alloc, run only once nothing can fail any more (spec/manager.md §4.7)."""
         r, eng = req.replica, self._engine
+        if self._journal is not None and self._holds_bytes and copies:
+            self._journal_copies(r, copies)  # spec/manager.md §17.3: a guarded batch puts these bytes back
         for kind, a, src, dst in copies if self._holds_bytes else ():  # spec/manager.md §1.5: no bytes, no copies
             if kind == "leafpeer":  # spec/manager.md §7.3: a page of leaf a[0] from replica a[1]
                 lid, src_r = a
@@ -425,6 +429,15 @@ class Allocation:
         for lid, c in req.restore.items():
             self._pools[r][lid].free([c])
         req.restore.clear()
+
+    def _journal_copies(self, r: int, copies: list) -> None:
+        """The bytes (values, and FP8 scales) of every page ``copies`` write, before they do."""
+        eng = self._engine
+        for kind, a, src, dst in copies:
+            lid = a[0] if kind == "leafpeer" else self._conn_leaf if kind == "peer" else a
+            self._journal_pages(eng.page_store(self._buffers[r][lid]), [dst])
+            if kind != "restore" and self._scales[r].get(lid) is not None:
+                self._journal_pages(eng.page_store(self._scales[r][lid]), [dst])
 
     def _size_dummy(self, req: _Request) -> KVTransfer:
         n = self._required_blocks(req.ctx)

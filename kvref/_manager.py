@@ -40,6 +40,7 @@ from kvspec.engine import NULL_BLOCK, BlockPool, ManagerEngine
 from kvspec.retention import check_clock, held
 
 from ._allocation import Allocation
+from ._batch import BatchCalls
 from ._commit import Commit
 from ._leaves import Leaf
 from ._manager_engine import ReferenceManagerEngine
@@ -68,7 +69,7 @@ def _slab_geometry(params: KVCacheParams, leaves: list[Leaf]) -> SlabGeometry:
     return plan_slab_geometry({leaf.leaf_id: params.page_bytes(leaf.leaf_id) for leaf in leaves}, rows)
 
 
-class PagedKVCacheManager(PrefixHits, Allocation, Commit, Transfers, RuntimeInputs):
+class PagedKVCacheManager(PrefixHits, Allocation, Commit, Transfers, RuntimeInputs, BatchCalls):
     """Request-level paged KV cache with prefix caching, replicas and tiers.
 
     Parameters
@@ -284,6 +285,7 @@ class PagedKVCacheManager(PrefixHits, Allocation, Commit, Transfers, RuntimeInpu
         # spec/tiers.md §2: one live owner per connector; a second live manager is refused.
         if not self._simple:  # spec/tiers.md §12: every leaf's pages, as units of the first paged leaf's page
             stores = self._leaf_unit_stores(stores)
+        self._conn_stores = stores  # (a guarded batch journals a load's pages through them, spec/manager.md §17.3)
         connector.attach(stores, params, owner=self)
 
     @classmethod

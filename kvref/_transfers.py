@@ -246,6 +246,8 @@ class Transfers:
             items += [(lid, i, b) for i, b in zip(blocks, dest)]
         toks = np.array(ctx.tokens[k * page : k2 * page], dtype=np.int32).reshape(k2 - k, page)
         ids, keys, utoks = self._unit_args(items, hashes[k:k2], toks, k)
+        if self._journal is not None and self._holds_bytes:
+            self._journal_pages(self._conn_stores[r], ids)  # spec/manager.md §17.3
         try:
             handle = self._connector.load(ids, keys, utoks, r)
             done = handle.is_complete()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol, runtime_checkable
 
@@ -359,6 +360,36 @@ class SpecDecodingState:
 
 
 
+def _token_int(owner: str, token) -> int:
+    """A token id as an int in the int32 range: a Python or NumPy integer, or anything with
+    ``__index__`` (a 0-d integer array or tensor); ``TypeError`` / ``ValueError`` naming ``token``."""
+    if type(token) is not int and not isinstance(token, (bool, np.integer)) and hasattr(token, "__index__"):
+        try:
+            token = operator.index(token)  # torch.tensor(7), np.array(7)
+        except TypeError:
+            pass  # a float tensor: the message below
+    if isinstance(token, np.integer):
+        token = int(token)
+    return check_int(owner, "token", token, low=-(2**31), high=2**31 - 1)
+
+
+def _token_list(owner: str, tokens) -> list:
+    """``tokens`` (a sequence, a 1-D integer array or CPU tensor) as a list of Python values."""
+    if type(tokens) is list:
+        return list(tokens)
+    if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
+        raise TypeError(f"{owner}: tokens={tokens!r}, must be a sequence or a 1-D integer array")
+    if isinstance(tokens, (tuple, range)):
+        return list(tokens)
+    try:
+        arr = np.asarray(tokens)
+    except Exception as e:  # noqa: BLE001  (a device tensor: no host view)
+        raise TypeError(f"{owner}: tokens={type(tokens).__name__} has no host array view ({e})") from None
+    if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == object):
+        raise TypeError(f"{owner}: tokens has shape {arr.shape} and dtype {arr.dtype}, must be 1-D integers")
+    return arr.tolist()
+
+
 class TextContext:
     """A request's token buffer: ``[processed | active | pending]``.
 
@@ -499,16 +530,65 @@ class TextContext:
     # -- mutators
     def update(self, token: int) -> None:
         """After a forward over the whole active region: append ``token`` and
-        leave it as the only active token."""
-        if type(token) is not int:  # a NumPy integer (a sampler's output) as a Python int; else the message
-            token = int(token) if isinstance(token, np.integer) else check_int("TextContext.update", "token", token)
-        if not -2147483648 <= token <= 2147483647:
-            check_int("TextContext.update", "token", token, low=-(2**31), high=2**31 - 1)  # raises ValueError
-        n = self._length  # the per-token path: each attribute read once
-        if n != self._processed + self._active:  # pending_length, inlined
+        leave it as the only active token.
+
+        ``token``: an int in the int32 range, a NumPy integer or a 0-d integer
+        array or tensor (a sampler's output, ``torch.argmax(...)[i]``).
+        """
+        if type(token) is not int or not -2147483648 <= token <= 2147483647:
+            token = _token_int("TextContext.update", token)
+        if self._length != self._processed + self._active:  # pending_length, inlined
             raise ValueError(
                 f"TextContext.update: {self.pending_length} pending tokens after a chunk; call advance_chunk()"
             )
+        self._append(token)
+
+    @staticmethod
+    def update_many(ctxs, tokens) -> None:
+        """``for ctx, token in zip(ctxs, tokens): ctx.update(token)``, all or nothing
+        (spec/manager.md §17.4).
+
+        Parameters
+        ----------
+        ctxs : sequence of TextContext
+            One new token each, in order (a context listed twice gets two).
+        tokens : sequence of int, or int [len(ctxs)]
+            A list, a 1-D NumPy integer array, or a 1-D integer tensor on the
+            CPU (anything ``numpy.asarray`` reads as 1-D integers).
+
+        Raises
+        ------
+        TypeError, ValueError
+            ``ctxs`` or ``tokens`` not a sequence, their lengths differ, or the
+            error the loop of ``update`` would raise at its first failing
+            context (the same message); no context changed.
+        """
+        o = "TextContext.update_many"
+        if isinstance(ctxs, (str, bytes, TextContext)) or not hasattr(ctxs, "__iter__"):
+            raise TypeError(f"{o}: ctxs={ctxs!r}, must be a sequence of TextContext")
+        ctxs = ctxs if type(ctxs) is list else list(ctxs)
+        toks = _token_list(o, tokens)
+        if len(toks) != len(ctxs):
+            raise ValueError(f"{o}: len(tokens)={len(toks)} != len(ctxs)={len(ctxs)}, one token per context")
+        seen = set()
+        for i, ctx in enumerate(ctxs):  # every check of the loop first, in its order: nothing changes on an error
+            if not isinstance(ctx, TextContext):
+                raise TypeError(f"{o}: ctxs[{i}]={ctx!r}, must be a TextContext")
+            t = toks[i]
+            if type(t) is not int or not -2147483648 <= t <= 2147483647:
+                toks[i] = _token_int("TextContext.update", t)
+            if id(ctx) not in seen:  # (a repeat follows its own update: nothing pending)
+                seen.add(id(ctx))
+                if ctx._length != ctx._processed + ctx._active:
+                    raise ValueError(
+                        f"TextContext.update: {ctx.pending_length} pending tokens after a chunk; call advance_chunk()"
+                    )
+        for ctx, t in zip(ctxs, toks):
+            ctx._append(t)
+
+    def _append(self, token: int) -> None:
+        """``token`` (checked) appended as the only active token (nothing pending)."""
+        n = self._length  # the per-token path: each attribute read once
         buf = self._tokens
         if n == buf.size:
             grown = np.empty(2 * n, dtype=np.int32)

@@ -19,9 +19,10 @@ def backend_like_kvref(name: str, *, cache_cls=None, manager_cls=None, **changes
     if cache_cls is not None:
         fields["make_cache"] = lambda config, layer_specs: cache_cls.make(config, layer_specs)
     if manager_cls is not None:
-        def make_manager(params, *, num_blocks, max_batch_size, max_seq_len, device="cpu", connector=None):
+        def make_manager(params, *, num_blocks, max_batch_size, max_seq_len, device="cpu", connector=None,
+                         clock=None):
             return manager_cls(params, num_blocks=num_blocks, max_batch_size=max_batch_size,
-                               max_seq_len=max_seq_len, device=device, connector=connector)
+                               max_seq_len=max_seq_len, device=device, connector=connector, clock=clock)
         fields["make_manager"] = make_manager
     fields.update(changes)
     return dataclasses.replace(base, **fields)
