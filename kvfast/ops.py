@@ -41,7 +41,8 @@ def append_kv(cache, layer: int, k, v, step) -> None:
         An ATTENTION or SLIDING_WINDOW layer.
     k, v : float [T, kv_heads, head_dim]
         The step's new keys and values; an FP8 cache quantises them with per-(block, head)
-        scales (``spec/slot-cache.md`` §10.2: finite values only, else ``ValueError``); otherwise
+        scales (``spec/slot-cache.md`` §10.2: finite values in every row with ``slot_mapping >= 0``,
+        else ``ValueError``; padding rows are never read, any values there change nothing); otherwise
         cast to the storage dtype (no cast,
         a bit copy, when they already have it).
     step : StepIndices

@@ -15,6 +15,8 @@ equals dense attention over each sequence's concatenated history.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from kvspec import KVCacheMode, LayerKind, StepIndices
@@ -84,7 +86,8 @@ def append_kv(cache, layer: int, k, v, step: StepIndices) -> None:
         An ATTENTION or SLIDING_WINDOW layer.
     k, v : float [T, kv_heads, head_dim]
         The step's new keys and values; an FP8 cache quantises them with per-(block, head)
-        scales (``spec/slot-cache.md`` §10.2: finite values only, else ``ValueError``); otherwise
+        scales (``spec/slot-cache.md`` §10.2: finite values in every row with ``slot_mapping >= 0``,
+        else ``ValueError``; padding rows are never read, any values there change nothing); otherwise
         cast to the storage dtype.
     step : StepIndices
         From ``cache.prepare_step``; ``T == step.num_tokens``.
@@ -133,12 +136,37 @@ def _append_fp8(api: str, cache, engine, layer: int, spec, k, v, step: StepIndic
     if sm.shape != (T,):
         raise ValueError(f"{api}: step.slot_mapping.shape={sm.shape} != ({T},)")
     for name, x in (("k", k), ("v", v)):
-        bad = engine.first_nonfinite(x)
+        bad = _first_nonfinite_token(engine, x, sm)
         if bad >= 0:
             raise ValueError(f"{api}: {name}[{bad}] has a non-finite value, FP8 storage needs finite inputs")
     bad = engine.scatter_kv_fp8(K, V, Ks, Vs, k, v, sm, cache.config.block_size)
     if bad >= 0:  # spec/slot-cache.md §7.1: nothing was written
         raise IndexError(f"{api}: step.slot_mapping[{bad}]={int(sm[bad])} out of range [0, {K.shape[0] * K.shape[1]})")
+
+
+def _first_nonfinite_token(engine, x, sm) -> int:
+    """The first token ``t`` with ``slot_mapping[t] >= 0`` whose row of ``x`` holds a NaN or an
+    infinity, else -1 (``spec/slot-cache.md`` §7.1, §10.2: padding rows are not read, so their
+    values, finite or not, change nothing).
+
+    One ``engine.first_nonfinite`` over all rows when no row is non-finite (the common case: the
+    slot mapping is not even brought to the host); a hit in a padding row resumes the search at
+    the next real token, as a slice (a view: no copy, no host index into a device array).
+    """
+    bad = engine.first_nonfinite(x)
+    if bad < 0:
+        return -1
+    real = np.asarray(engine.to_host(sm)) >= 0
+    while not real[bad]:
+        after = np.flatnonzero(real[bad:])
+        if not after.size:
+            return -1  # only padding from here on
+        t0 = bad + int(after[0])
+        got = engine.first_nonfinite(x[t0:])
+        if got < 0:
+            return -1
+        bad = t0 + got
+    return bad
 
 
 def gather_kv(cache, layer: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
@@ -237,6 +265,13 @@ def varlen_attention(q, cache, layer: int, step: StepIndices, scale: float | Non
         scale = 1.0 / float(np.sqrt(spec.head_dim))
     elif isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
         raise TypeError(f"{api}: scale={scale!r}, must be a float or None")
+    else:
+        try:
+            finite = math.isfinite(float(scale))
+        except OverflowError:  # an int past float's range (10**400): out of range, not a crash
+            finite = False
+        if not finite:
+            raise ValueError(f"{api}: scale={scale!r}, must be a finite float or None")
     engine = cache.engine
     if spec.kind is LayerKind.CROSS_ATTENTION:
         # spec/slot-cache.md §7.3: a cross row reads all of its slot's encoder keys; none is an error.

@@ -293,6 +293,8 @@ OP_CASES = [
     ("attn-tokens", lambda c, s: ops.varlen_attention(np.zeros((2, 2, 4), np.float32), c, 0, s), ValueError, r"varlen_attention: q.shape\[0\]=2 != step.num_tokens=3"),
     ("attn-int", lambda c, s: ops.varlen_attention(np.zeros((3, 2, 4), np.int32), c, 0, s), TypeError, r"varlen_attention: q dtype=int32"),
     ("attn-scale", lambda c, s: ops.varlen_attention(np.zeros((3, 2, 4), np.float32), c, 0, s, scale="x"), TypeError, r"varlen_attention: scale='x', must be a float or None"),
+    ("attn-scale-huge", lambda c, s: ops.varlen_attention(np.zeros((3, 2, 4), np.float32), c, 0, s, scale=10**400), ValueError, r"varlen_attention: scale=1000\d+, must be a finite float or None"),
+    ("attn-scale-nan", lambda c, s: ops.varlen_attention(np.zeros((3, 2, 4), np.float32), c, 0, s, scale=float("nan")), ValueError, r"varlen_attention: scale=nan, must be a finite float"),
     ("attn-cross-unfilled", lambda c, s: ops.varlen_attention(np.zeros((3, 2, 4), np.float32), c, 2, s), ValueError, r"varlen_attention: step.cross_seqused_k\[0\]=0 for slot 1, fill layer 2 first"),
 ]
 

@@ -23,7 +23,9 @@ def append_kv_fp8(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, 
     ----------
     key, value : cupy.ndarray [T, kv_heads, head_dim]
         float32, float16, or uint16 bfloat16 bit patterns (``bfloat16_input=True``);
-        each row contiguous, rows may be strided. Finite (checked by the caller).
+        each row contiguous, rows may be strided. Finite in every row whose slot is ``>= 0``
+        (checked by the caller); a padding row (slot ``< 0``) is never read, by any of the three
+        kernels, so it may hold anything (NaN, inf, huge values).
     k_cache, v_cache : cupy.ndarray uint8 [num_blocks, block_size, kv_heads, head_dim]
         FP8 bit patterns; contiguous storage is ``[max_seqs, max_seq_len, ...]`` with
         ``block_size = max_seq_len``.

@@ -13,7 +13,7 @@
 //                   [num_blocks, 2, num_layers, page_size, kv_heads, head_dim]
 //                   buffer (block_stride = 2 * num_layers * page_size * row_elems)
 //   slot_mapping    int64 [num_tokens]; slot = block * block_size + offset;
-//                   slot < 0 is a padding token and is skipped.
+//                   slot < 0 is a padding token and is skipped (its rows are not read).
 // Destination row of token t: (slot / block_size) * block_stride
 //                              + (slot % block_size) * row_stride.
 //

@@ -26,7 +26,8 @@
 //                     (s / block_size) * units_per_block + (s % block_size) / unit_tokens
 //   k_next, v_next    float32 scratch [num_units, kv_heads], compact, holding a copy of the
 //                     scales before fp8_scale_kernel; the scales after the step once it ran
-//   slot_mapping      int64 [num_tokens]; slot < 0 is a padding token and is skipped.
+//   slot_mapping      int64 [num_tokens]; slot < 0 is a padding token and is skipped: no kernel
+//                     reads its key/value rows (no amax, no store), whatever they hold.
 //   fp8_format        0: float8_e4m3fn (max 448), 1: float8_e5m2 (max 57344)
 //
 //   block_row         int32 [max_blocks_per_seq] (fp8_gather_kernel): the slot's block-table row
