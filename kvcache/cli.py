@@ -301,6 +301,9 @@ def _config_error(e: ValueError) -> UsageError:
     """A ``ReplayConfig`` refusal with its field names spelled as the flags."""
     text = _CONFIG_FIELD.sub("", str(e))
     text = re.sub(r"\b(" + "|".join(_FIELD_FLAG) + r")=", lambda m: _FIELD_FLAG[m.group(1)] + "=", text)
+    from .replay import SIZE_FIELDS
+
+    text = text.replace(SIZE_FIELDS, "--num-blocks or --device-bytes")
     return UsageError(text.replace("allocate_buffers=True", "--real-bytes"))
 
 

@@ -88,6 +88,9 @@ def physical_memory() -> int:
         return 0
 
 
+#: the fields that size the device pool, as a refusal names them when neither was given
+SIZE_FIELDS = "num_blocks or device_bytes"
+
 class ReplayError(RuntimeError):
     """The replay cannot run (a backend is missing, the pool can never fit a request)."""
 
@@ -253,11 +256,16 @@ class ReplayConfig:
         if not limit:
             return
         pool = self.pool_bytes() * self.replicas
-        for name, value, need in (("device_bytes" if self.device_bytes is not None else "num_blocks",
-                                   self.device_bytes if self.device_bytes is not None else self.num_blocks, pool),
-                                  ("host_bytes", self.host_bytes, self.host_bytes)):
+        if self.device_bytes is not None:
+            sized = f"device_bytes={self.device_bytes}"
+        elif self.num_blocks is not None:
+            sized = f"num_blocks={self.num_blocks}"
+        else:  # neither was given: name what the size comes from and what sets it
+            sized = (f"the default device pool ({self.blocks_per_replica()} blocks of {self.page_size} tokens per "
+                     f"replica; {SIZE_FIELDS} set its size)")
+        for name, need in ((sized, pool), (f"host_bytes={self.host_bytes}", self.host_bytes)):
             if need > limit:
-                raise ValueError(f"{o}: {name}={value} allocates {need / 2**30:.1f} GiB of real buffers, "
+                raise ValueError(f"{o}: {name} allocates {need / 2**30:.1f} GiB of real buffers, "
                                  f"must be <= {limit / 2**30:.1f} GiB (half this machine's memory); plan it "
                                  f"bookkeeping-only instead")
         if pool + self.host_bytes > limit:

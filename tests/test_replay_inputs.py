@@ -192,6 +192,11 @@ BOUNDS = [
     (["--num-requests", str(10**7)], "--num-requests=10000000, must be <= 200000 for the built-in workload"),
     (["--head-dim", str(2**20)], f"--head-dim={2**20}, must be <= 65536"),
     (["--host-bytes", "1TiB", "--real-bytes"], "--host-bytes=1099511627776 allocates 1024.0 GiB of real buffers"),
+    # neither size flag given: the message names the default and the flags that set the size
+    (["--page-size", "100000", "--head-dim", "4096", "--real-bytes"],
+     "the default device pool (2048 blocks of 100000 tokens per replica; --num-blocks or --device-bytes set its size)"),
+    (["--page-size", "100000", "--head-dim", "4096", "--num-blocks", "2048", "--real-bytes"],
+     "--num-blocks=2048 allocates"),
     (["--device-bytes", "99999999TiB"], f"--device-bytes={99999999 * 2**40}, must be <= {2**60}"),
     (["--page-size", "1" * 40], "argument --page-size: invalid int value: '" + "1" * 40),
     (["--device", "cuda:" + "9" * 50], "--device=cuda:99999"),
