@@ -23,6 +23,12 @@ their ratio (best of ``repeat`` timings of each):
   ``runtime_inputs`` every step, ``step`` and ``release``; kvref time over
   kvfast time (target >= 10) and kvfast's per-request time over its one-full-
   leaf figure (target <= 2); hits and peak blocks must agree.
+* ``decode step batch, <configuration>`` (issue 32): a decode step of 256
+  running requests through the batch calls (``alloc_many`` +
+  ``TextContext.update_many`` + ``step_many``, spec/manager.md §17), one row
+  per configuration of :data:`BATCH_CONFIGS`: kvref's batch calls over
+  kvfast's (target >= 30), and kvfast's per-request loop of the same calls
+  over its batch calls (target >= 10); hits must agree.
 
 Run ``kvcache bench`` (or ``python -m kvcache.bench``); ``--quick`` shrinks
 the repetitions for a smoke run; ``--json PATH`` writes ``{"metadata": ..., "rows": [...]}``
@@ -39,7 +45,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["run_bench", "print_table", "main", "peer_workload", "replay_manager"]
+__all__ = ["run_bench", "print_table", "main", "peer_workload", "replay_manager", "decode_batch"]
 
 # Peer workload constants (WORKLOAD.md §1).
 SEED = 20260601
@@ -462,6 +468,100 @@ def _configs_case(num_requests: int, repeat: int) -> list[dict]:
     return out
 
 
+# --------------------------------------------------------------------------- batch calls (spec/manager.md §17)
+
+#: The five configurations of issue 32's targets (a subset of :data:`MANAGER_CONFIGS`).
+BATCH_CONFIGS = ("one full leaf", "data_parallel_degree=2", "host tier", "full + sliding window", "full + recurrent")
+
+
+def decode_batch(manager_cls, config: str, *, rows: int = 256, steps: int = 16, batch: bool = True,
+                 prompt: int = 200) -> dict:
+    """``steps`` decode steps of ``rows`` running requests, one token each: ``alloc_many`` +
+    ``TextContext.update_many`` + ``step_many`` (``batch``), or the loop of ``alloc`` + ``update``
+    + ``step`` per request. The requests (``prompt`` tokens, 8 shared prefixes of 64, so the
+    admissions hit) are admitted and prefilled untimed. Returns the CPU seconds of this thread in
+    the timed calls, per step, and the hit tokens of the admissions."""
+    from kvspec import TextContext
+
+    params = manager_params(config)
+    dp = params.data_parallel_degree
+    rng = np.random.default_rng(11)
+    prefixes = rng.integers(0, VOCAB, size=(8, 64), dtype=np.int64)
+    per_row = -(-(prompt + steps + 1) // BLOCK_SIZE) + 2
+    m = manager_cls(params, num_blocks=(rows // dp + 1) * per_row * len(params.leaves()) + 64,
+                    max_batch_size=rows, max_seq_len=prompt + steps + 2)
+    try:
+        ctxs = []
+        for i in range(rows):
+            toks = np.concatenate([prefixes[i % 8], rng.integers(0, VOCAB, prompt - 64)])
+            ctx = TextContext(str(i), toks)
+            m.claim(ctx, i % dp)
+            m.alloc(ctx)
+            ctx.update(int(rng.integers(0, VOCAB)))
+            m.step(ctx)
+            ctxs.append(ctx)
+        hits = sum(c.cached_prefix_length for c in ctxs)
+        tokens = rng.integers(0, VOCAB, size=(steps, rows), dtype=np.int64)
+        gc.collect()
+        gc.freeze()
+        t0 = time.thread_time()
+        if batch:
+            for s in range(steps):
+                m.alloc_many(ctxs)
+                TextContext.update_many(ctxs, tokens[s])
+                m.step_many(ctxs)
+        else:
+            for s in range(steps):
+                row = tokens[s].tolist()
+                for ctx in ctxs:
+                    m.alloc(ctx)
+                for ctx, t in zip(ctxs, row):
+                    ctx.update(t)
+                for ctx in ctxs:
+                    m.step(ctx)
+        busy = time.thread_time() - t0
+        gc.unfreeze()
+        committed = m.get_metrics_aggregated().input_tokens
+    finally:
+        m.shutdown()
+    return {"seconds_per_step": busy / steps, "hit_tokens": hits, "input_tokens": committed}
+
+
+def _batch_case(rows: int, steps: int, repeat: int) -> list[dict]:
+    """Per configuration of :data:`BATCH_CONFIGS`: a decode step of ``rows`` requests through
+    kvfast's batch calls, against kvref's batch calls and against kvfast's per-request loop of the
+    same calls, interleaved round by round (the order rotates), best of ``repeat``."""
+    import kvfast
+    import kvref
+
+    variants = (("kvref batch", kvref.PagedKVCacheManager, True), ("kvfast batch", kvfast.PagedKVCacheManager, True),
+                ("kvfast loop", kvfast.PagedKVCacheManager, False))
+    for config in BATCH_CONFIGS:
+        decode_batch(kvfast.PagedKVCacheManager, config, rows=8, steps=2)  # load the kernels
+    best: dict[tuple[str, str], float] = {}
+    seen: dict[tuple[str, str], dict] = {}
+    for r in range(repeat):
+        for config in BATCH_CONFIGS:
+            k = r % len(variants)
+            for name, cls, batch in variants[k:] + variants[:k]:
+                seen[config, name] = got = decode_batch(cls, config, rows=rows, steps=steps, batch=batch)
+                best[config, name] = min(best.get((config, name), float("inf")), got["seconds_per_step"])
+    out = []
+    for config in BATCH_CONFIGS:
+        ref, fast, loop = (best[config, v[0]] for v in variants)
+        same = len({(seen[config, v[0]]["hit_tokens"], seen[config, v[0]]["input_tokens"]) for v in variants}) == 1
+        detail = (f"{rows} rows x 1 token: kvref batch {ref * 1e6:.0f} us/step, kvfast batch {fast * 1e6:.0f} us/step "
+                  f"({fast / rows * 1e6:.2f} us/row), kvfast loop {loop * 1e6:.0f} us/step; hits "
+                  f"{seen[config, 'kvfast batch']['hit_tokens']} ({'same' if same else 'DIFFERENT'} in every variant)")
+        out.append({"name": f"decode step batch, {config}", "metric": "kvref batch / kvfast batch",
+                    "ratio": ref / fast, "target": 30.0, "detail": detail, "agree": same,
+                    "kvfast_us_per_step": fast * 1e6})
+        out.append({"name": f"decode step batch vs loop, {config}", "metric": "kvfast loop / kvfast batch",
+                    "ratio": loop / fast, "target": 10.0, "detail": detail, "agree": same,
+                    "kvfast_us_per_step": fast * 1e6})
+    return out
+
+
 def _retention_rule(i: int) -> dict:
     """Mixed claims: even requests priority 80 for 30 s, every third one priority 10."""
     if i % 2 == 0:
@@ -511,16 +611,18 @@ def run_bench(*, quick: bool = False, replay_requests: int = 128, only: Sequence
         Requests of the peer workload replayed through both managers
         (kvref needs ~50 ms per request; 0 means all 2000).
     only : sequence of str, optional
-        Subset of ``{"append", "prepare", "replay", "configs", "retention"}`` (``retention``:
-        kvfast with and without retention claims, interleaved; ``configs``: one manager row
-        per configuration of :data:`MANAGER_CONFIGS`, the scheduler loop of issue 12).
+        Subset of ``{"append", "prepare", "replay", "configs", "retention", "batch"}``
+        (``retention``: kvfast with and without retention claims, interleaved; ``configs``: one
+        manager row per configuration of :data:`MANAGER_CONFIGS`, the scheduler loop of issue 12;
+        ``batch``: a decode step of 256 requests through the batch calls, spec/manager.md §17,
+        per configuration of :data:`BATCH_CONFIGS`, against kvref's and the per-request loop).
 
     Returns
     -------
     list of dict
         One per row: ``name``, ``metric``, ``ratio``, ``target``, ``met``, ``detail``.
     """
-    only = set(only or ("append", "prepare", "replay", "configs", "retention"))
+    only = set(only or ("append", "prepare", "replay", "configs", "retention", "batch"))
     rep = 3 if quick else 15
     rows = []
     if "append" in only:
@@ -535,6 +637,8 @@ def run_bench(*, quick: bool = False, replay_requests: int = 128, only: Sequence
         rows += _configs_case(32 if quick else 64, 1 if quick else 5)
     if "retention" in only:
         rows.append(_retention_case(32 if quick else 128, 2 if quick else 5))
+    if "batch" in only:
+        rows += _batch_case(256, 4 if quick else 16, 1 if quick else 5)
     for r in rows:
         r["met"] = r["ratio"] >= r["target"]
     return rows
@@ -551,20 +655,21 @@ def print_table(rows: list[dict], file=None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``kvcache bench [--quick] [--replay-requests N] [--only append,prepare,replay,configs] [--json PATH]``."""
+    """``kvcache bench [--quick] [--replay-requests N] [--only append,prepare,replay,configs,retention,batch]
+    [--json PATH]``."""
     ap = argparse.ArgumentParser(prog="kvcache bench", description="kvfast vs kvref / numpy ratio table, one run")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
     ap.add_argument("--replay-requests", type=int, default=128,
                     help="peer-workload requests replayed through both managers (0 = all 2000)")
-    ap.add_argument("--only", default="", help="comma list of append,prepare,replay,configs,retention")
+    ap.add_argument("--only", default="", help="comma list of append,prepare,replay,configs,retention,batch")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(list(argv) if argv is not None else None)
     if args.replay_requests < 0:
         ap.error(f"--replay-requests={args.replay_requests}, must be >= 0")
     only = [x for x in args.only.split(",") if x] or None
-    bad = set(only or ()) - {"append", "prepare", "replay", "configs", "retention"}
+    bad = set(only or ()) - {"append", "prepare", "replay", "configs", "retention", "batch"}
     if bad:
-        ap.error(f"--only: unknown {sorted(bad)}, choose from append,prepare,replay,configs,retention")
+        ap.error(f"--only: unknown {sorted(bad)}, choose from append,prepare,replay,configs,retention,batch")
     rows = run_bench(quick=args.quick, replay_requests=args.replay_requests, only=only)
     print_table(rows)
     if args.json:

@@ -76,13 +76,11 @@ class BatchCalls:
         ctxs = self._batch_list("alloc_many", ctxs)
         if not ctxs:
             return []
-        reqs = self._batch_check_alloc(ctxs, defer_lookup)
+        reqs, growth = self._batch_check_alloc(ctxs, defer_lookup)
         if self._loads or self._offloads:
             self._drain()  # spec/manager.md §17.2: as the first alloc of the loop; not undone
-        for ctx, req in zip(ctxs, reqs):
-            if req.load is not None and req.load.state == "failed" and req.ran_past:
-                return self._guarded(ctxs, lambda: [self.alloc(c, defer_lookup=defer_lookup) for c in ctxs])
-        if self._alloc_cannot_fail(ctxs, reqs, defer_lookup):
+            growth = None  # (a load may have landed or failed: the exact look below)
+        if (growth is not None and self._growth_fits(growth)) or self._alloc_cannot_fail(ctxs, reqs):
             alloc = self.alloc
             return [alloc(ctx, defer_lookup=defer_lookup) for ctx in ctxs]
         return self._guarded(ctxs, lambda: [self.alloc(c, defer_lookup=defer_lookup) for c in ctxs])
@@ -102,15 +100,19 @@ class BatchCalls:
             return
         self._check_open("step")
         guarded = False
-        page = self._page
+        page, requests, paged = self._page, self._requests, self._paged_ids
+        (anchor,) = paged if len(paged) == 1 else (None,)
         for ctx in ctxs:
-            req = self._batch_req("step", ctx)
-            if req.ctx is not ctx or req.load is not None:
+            req = requests.get(ctx.request_id) if type(ctx) is TextContext else None
+            if req is None or req.ctx is not ctx or req.load is not None:
+                req = self._batch_req("step", ctx)
                 guarded = True  # an adoption, or a load of its own polled by the step
+            rows = req.rows
+            if ctx._processed <= len(rows[anchor or paged[0]]) * page and anchor is not None:
+                continue  # the rows cover the forward (one paged leaf: its row)
             if not req.settled and req.dummy:
                 continue
-            rows = req.rows
-            cap = min([len(rows[lid]) for lid in self._paged_ids]) * page
+            cap = min([len(rows[lid]) for lid in paged]) * page
             if ctx._processed > cap:
                 raise ValueError(
                     f"step: processed_length={ctx.processed_length} > {cap} tokens in the allocated rows; "
@@ -181,50 +183,87 @@ class BatchCalls:
     def _batch_check_alloc(self, ctxs: list, defer_lookup) -> list[_Request]:
         """Every argument check of ``alloc`` for every context, in the loop's order (each depends
         only on the state before the batch: an earlier alloc of the batch cannot make a later one's
-        arguments wrong, spec/manager.md §17.2)."""
+        arguments wrong, spec/manager.md §17.2). A claimed context of its own record, within
+        ``max_seq_len``, without drafts and not rewinding passes in one look; any other goes
+        through ``alloc``'s own checks, which raise its error."""
         op = "alloc"
         self._check_open(op)
         if not isinstance(defer_lookup, bool):
             raise TypeError(f"alloc: defer_lookup={defer_lookup!r}, must be a bool")
+        requests, page, longest = self._requests, self._page, self._max_seq_len
         reqs = []
+        # the quick bound: every context is a settled running request of its own record, so its
+        # paged rows cover processed_length and grow by at most active // page + 1 pages
+        growth = [0] * self._dp if not self._drafts else None
         for ctx in ctxs:
-            req = self._batch_req(op, ctx)
-            self._check_len(op, ctx)
-            self._check_drafts(op, ctx)
-            self._check_no_rewind(op, req, ctx)
+            req = requests.get(ctx.request_id) if type(ctx) is TextContext else None
+            if (req is None or req.ctx is not ctx or ctx._length > longest or ctx._spec_decoding_state is not None
+                    or ctx._processed < req.committed * page):
+                req = self._batch_req(op, ctx)
+                self._check_len(op, ctx)
+                self._check_drafts(op, ctx)
+                self._check_no_rewind(op, req, ctx)
+                growth = None
+            elif growth is not None:
+                if req.settled and ctx._processed:
+                    growth[req.replica] += ctx._active // page + 1
+                else:
+                    growth = None
             reqs.append(req)
-        return reqs
+        if growth is not None and len(set(map(id, ctxs))) != len(ctxs):
+            growth = None  # a duplicate: the exact look
+        return reqs, growth
 
-    def _alloc_cannot_fail(self, ctxs: list, reqs: list[_Request], defer_lookup: bool) -> bool:
+    def _growth_fits(self, growth: list[int]) -> bool:
+        """Whether ``growth[r]`` pages on every paged leaf of replica ``r`` (and two per request on
+        a state leaf: its live page and a successor, bounded by the same count) fit its free pages."""
+        for r, n in enumerate(growth):
+            if not n:
+                continue
+            if self._slabs:
+                if self._slabs[r].shortfall({leaf.leaf_id: n for leaf in self._leaves}, None) is not None:
+                    return False
+            else:
+                pools = self._pools[r]
+                for leaf in self._leaves:
+                    if n > pools[leaf.leaf_id].num_free:
+                        return False
+        return True
+
+    def _alloc_cannot_fail(self, ctxs: list, reqs: list[_Request]) -> bool:
         """Whether the loop of ``alloc`` over ``ctxs`` surely raises nothing (so it runs unguarded):
         no replacement context, no duplicate, no load of its own, no connector stage, and per
         replica and leaf the pages the batch can draw fit the free ones (an admission's at most its
         whole row, and a state leaf's checkpoint page; a growing row its growth)."""
-        caching = self._caching
+        caching, leaves, recurrent = self._caching, self._leaves, self._recurrent_leaves
+        required_blocks = self._required_blocks
         demand: dict[int, dict[str, int]] = {}
-        seen = set()
+        if len(set(map(id, ctxs))) != len(ctxs):
+            return False  # a duplicate (the records are distinct per context: claim's check)
         for ctx, req in zip(ctxs, reqs):
-            rid = ctx.request_id
-            if req.ctx is not ctx or rid in seen or req.load is not None:
+            if req.ctx is not ctx or req.load is not None:
                 return False
-            seen.add(rid)
             if req.dummy:
                 continue
-            fresh = caching and ctx._processed == 0 and not any(req.rows.values())
+            rows = req.rows
+            fresh = caching and ctx._processed == 0 and not any(rows.values())
             if fresh and self._uses_connector:
                 return False  # the connector stage: lookups and loads
-            required = self._required_blocks(ctx)
-            need = demand.setdefault(req.replica, {})
-            for leaf in self._leaves:
+            required = required_blocks(ctx)
+            need = demand.get(req.replica)
+            if need is None:
+                need = demand[req.replica] = dict.fromkeys(rows, 0)
+            for leaf in leaves:
                 lid = leaf.leaf_id
-                n = leaf.grow_need(0 if fresh else len(req.rows[lid]), required, caching)
-                if fresh and leaf in self._recurrent_leaves:
+                n = leaf.grow_need(0 if fresh else len(rows[lid]), required, caching)
+                if fresh and leaf in recurrent:
                     n += 1  # the checkpoint page the hit takes
                 if n > 0:
-                    need[lid] = need.get(lid, 0) + n
+                    need[lid] += n
         for r, need in demand.items():
+            need = {lid: n for lid, n in need.items() if n}
             if self._slabs:
-                if self._slabs[r].shortfall(need, None) is not None:
+                if need and self._slabs[r].shortfall(need, None) is not None:
                     return False
             else:
                 pools = self._pools[r]

@@ -88,6 +88,9 @@ def test_asv_benchmarks_import_and_set_up():
     d = bench_manager.DecodeStep()
     d.setup("kvfast")
     d.time_decode_step("kvfast")
+    db = bench_manager.DecodeStepBatch()
+    db.setup("kvfast", "batch", "full + sliding window")
+    assert db.track_hit_tokens("kvfast", "batch", "full + sliding window") > 0
     a = bench_append.AppendKV()
     a.setup("kvfast", "decode", "float16")
     a.time_append_kv("kvfast", "decode", "float16")
@@ -137,3 +140,14 @@ def test_instructions_script_rejects_unknown_configurations():
     done = subprocess.run([sys.executable, str(script), "--configs", "one full leaf", "two leaves"],
                           capture_output=True, text=True)
     assert done.returncode != 0 and "unknown configurations ['two leaves']" in done.stderr
+
+
+def test_decode_batch_agrees_between_calls_and_packages():
+    """``kvcache bench --only batch``'s workload: the batch calls and the per-request loop, kvref
+    and kvfast, admit the same hits and count the same input tokens in every configuration."""
+    for config in bench.BATCH_CONFIGS:
+        seen = {(pkg.__name__, batch): bench.decode_batch(pkg.PagedKVCacheManager, config, rows=24, steps=20,
+                                                          batch=batch)
+                for pkg in (kvref, kvfast) for batch in (True, False)}
+        assert len({(r["hit_tokens"], r["input_tokens"]) for r in seen.values()}) == 1, (config, seen)
+        assert all(r["seconds_per_step"] > 0 for r in seen.values())

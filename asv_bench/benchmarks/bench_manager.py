@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from kvcache.bench import MANAGER_CONFIGS
+from kvcache.bench import BATCH_CONFIGS, MANAGER_CONFIGS
 from kvspec import KVCacheParams, TextContext
 
 
@@ -114,3 +114,34 @@ class ManagerConfigs:
         return scheduler_loop(self.cls, config, self.prompts, self.gen)["peak_blocks"]
 
     track_peak_blocks.unit = "blocks"
+
+
+class DecodeStepBatch:
+    """Issue 32's decode step: 256 running requests, one token each, through the batch calls
+    (``alloc_many`` + ``TextContext.update_many`` + ``step_many``, spec/manager.md §17) or the
+    per-request loop of the same calls, in each configuration of ``kvcache.bench.BATCH_CONFIGS``
+    (``kvcache.bench.decode_batch``: 16 steps, the admissions untimed). ``track_us_per_step`` is
+    the CPU time of this thread per step, the figure ``kvcache bench --only batch`` reports."""
+
+    params = [["kvref", "kvfast"], ["batch", "loop"], list(BATCH_CONFIGS)]
+    param_names = ["package", "calls", "config"]
+    timeout = 600
+
+    def setup(self, package, calls, config):
+        import importlib
+
+        self.cls = importlib.import_module(package).PagedKVCacheManager
+
+    def track_us_per_step(self, package, calls, config):
+        from kvcache.bench import decode_batch
+
+        return min(decode_batch(self.cls, config, batch=calls == "batch")["seconds_per_step"] for _ in range(3)) * 1e6
+
+    track_us_per_step.unit = "us"
+
+    def track_hit_tokens(self, package, calls, config):
+        from kvcache.bench import decode_batch
+
+        return decode_batch(self.cls, config, rows=64, steps=2, batch=calls == "batch")["hit_tokens"]
+
+    track_hit_tokens.unit = "tokens"
