@@ -54,6 +54,10 @@ def check_invariants(obj) -> None:
 
 
 def __getattr__(name):
+    if name == "interop":  # a submodule, reachable as an attribute (``import kvfast; kvfast.interop``)
+        value = importlib.import_module(".interop", __name__)
+        globals()[name] = value
+        return value
     mod = _LAZY.get(name)
     if mod is None:
         if name in _REFERENCE_NAMES:  # shared with the reference (tiers)
@@ -68,4 +72,4 @@ def __getattr__(name):
 
 
 def __dir__():
-    return __all__
+    return [*__all__, "interop"]

@@ -122,9 +122,9 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
     """
 
     def __init__(self, params: KVCacheParams, *, num_blocks: int, max_batch_size: int, max_seq_len: int,
-                 device: str = "cpu", connector=None, clock=None):
+                 device: str = "cpu", connector=None, clock=None, lookup_table_dtype: str = "uint32"):
         super().__init__(params, num_blocks=num_blocks, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                         device=device, connector=connector, clock=clock)
+                         device=device, connector=connector, clock=clock, lookup_table_dtype=lookup_table_dtype)
         # Decided here, once. The decode lanes (the claim, the growth of a request past its admission,
         # the decode step inside a page, the forward's inputs) serve every leaf set, replica count and
         # connector, speculative decoding (spec/manager.md §15: the sizing reads seq_len; a row past
@@ -644,7 +644,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         if self._single and not self._scales_stride:
             return KVCacheInputs(tuple(KVCacheInputsPerDevice(
                 kv_blocks=self._buffers[r][leaf],  # None in bookkeeping-only mode (spec/manager.md §8)
-                lookup_table=eng.to_device(eng.lookup_table(rows, widths, cols)),
+                lookup_table=self._lut_as(eng.to_device(eng.lookup_table(rows, widths, cols))),  # (its dtype, §8)
                 cache_lengths=eng.to_device(np.array(lengths, dtype=np.uint32)),
                 max_prompt_length=longest,
                 max_cache_length=reach if max_cache_length is None else max_cache_length,

@@ -37,7 +37,9 @@ from kvspec._manager_types import (
 )
 from kvspec._page_store import BookkeepingPageStore, PaddedPageStore, ScaledPageStore
 from kvspec.engine import NULL_BLOCK, BlockPool, ManagerEngine
+from kvspec.errors import InsufficientBlocksError, insufficient_blocks_message
 from kvspec.retention import check_clock, held
+from kvspec import hashing
 
 from ._allocation import Allocation
 from ._batch import BatchCalls
@@ -69,6 +71,22 @@ def _slab_geometry(params: KVCacheParams, leaves: list[Leaf]) -> SlabGeometry:
     return plan_slab_geometry({leaf.leaf_id: params.page_bytes(leaf.leaf_id) for leaf in leaves}, rows)
 
 
+def _lut_uint32(table):
+    return table
+
+
+def _lut_int32(table):
+    return table.view(np.int32)  # the same bytes: every block id is below 2**31 (spec/manager.md §8)
+
+
+def _lut_int64(table):
+    return table.astype(np.int64)
+
+
+#: ``lookup_table_dtype`` -> the lookup table as the engine built it (uint32) in that dtype.
+_LUT_DTYPES = {"uint32": _lut_uint32, "int32": _lut_int32, "int64": _lut_int64}
+
+
 class PagedKVCacheManager(PrefixHits, Allocation, Commit, Transfers, RuntimeInputs, BatchCalls):
     """Request-level paged KV cache with prefix caching, replicas and tiers.
 
@@ -94,6 +112,11 @@ class PagedKVCacheManager(PrefixHits, Allocation, Commit, Transfers, RuntimeInpu
     clock : callable() -> float, optional
         Seconds for retention time-to-live (``time.monotonic`` by default;
         spec/manager.md §14.7); tests inject a fake clock.
+    lookup_table_dtype : {"uint32", "int32", "int64"}
+        The dtype of ``runtime_inputs``' lookup tables (spec/manager.md §8):
+        ``"uint32"`` (MAX's), ``"int32"`` (a zero-copy view of the same table,
+        which torch and FlashInfer-style kernels index with directly) or
+        ``"int64"`` (one conversion per call, for kernels that take int64 ids).
 
     Notes
     -----
@@ -130,9 +153,14 @@ class PagedKVCacheManager(PrefixHits, Allocation, Commit, Transfers, RuntimeInpu
         device: str = "cpu",
         connector: KVConnector | None = None,
         clock: Callable[[], float] | None = None,
+        lookup_table_dtype: str = "uint32",
     ):
         o = "PagedKVCacheManager"
         clock = check_clock(o, clock)  # spec/manager.md §14.7: retention expiries read this clock
+        if not isinstance(lookup_table_dtype, str):
+            raise TypeError(f"{o}: lookup_table_dtype={lookup_table_dtype!r}, must be one of {list(_LUT_DTYPES)}")
+        if lookup_table_dtype not in _LUT_DTYPES:
+            raise ValueError(f"{o}: lookup_table_dtype={lookup_table_dtype!r}, must be one of {list(_LUT_DTYPES)}")
         if not isinstance(params, KVCacheParams):
             raise TypeError(f"{o}: params={params!r}, must be a KVCacheParams")
         # spec/manager.md §1.1: every size is bounded before any arithmetic or allocation.
@@ -221,6 +249,7 @@ class PagedKVCacheManager(PrefixHits, Allocation, Commit, Transfers, RuntimeInpu
             [dict(slab.pools) for slab in self._slabs] if self._slabs else
             [{leaf.leaf_id: engine.block_pool(num_blocks) for leaf in leaves} for _ in range(self._dp)])
         self._clock = clock
+        self._lut_as = _LUT_DTYPES[lookup_table_dtype]  # spec/manager.md §8: the tables' dtype, decided here
         for pools in self._pools:
             for pool in pools.values():
                 pool.clock = clock
@@ -430,6 +459,12 @@ class PagedKVCacheManager(PrefixHits, Allocation, Commit, Transfers, RuntimeInpu
                 f"{req.committed * self._page} tokens already published in its pages; a claimed request "
                 "must not rewind into them: release it, reset the context and claim it again"
             )
+        if ctx.processed_length < req.shared_floor:  # spec/manager.md §19: pages shared with a fork
+            raise ValueError(
+                f"{op}: request_id={ctx.request_id!r} processed_length={ctx.processed_length} < "
+                f"{req.shared_floor} tokens in pages shared with a fork; a claimed request must not rewind "
+                "into them: release it, reset the context and claim it again"
+            )
 
     def _required_blocks(self, ctx: TextContext) -> int:
         return -(-self._seq_len(ctx) // self._page)
@@ -554,6 +589,168 @@ class PagedKVCacheManager(PrefixHits, Allocation, Commit, Transfers, RuntimeInpu
         if self._uses_connector and req.committed:
             self._tier_touch(r, req.hashes[: req.committed])
             self._tier_retain(r, req.hashes[: req.committed], req.ctx)  # spec/manager.md §14.9
+
+    # ================================================================== fork (spec/manager.md §19)
+
+    def fork(self, parent_ctx: TextContext, child_ctx: TextContext) -> None:
+        """Claim ``child_ctx`` as a copy-on-write fork of the running request ``parent_ctx``.
+
+        For beam search and ``n > 1`` sampling (vLLM forks a sequence by sharing
+        its blocks; SGLang shares through its radix tree). The child is claimed
+        on the parent's replica with the parent's ``processed_length`` tokens
+        already in its rows: per full or sliding-window leaf, the parent's
+        **full** pages below ``processed_length`` are shared (one more
+        reference each; a sliding leaf's null slots below the window stay
+        null) and the partial last page is copied into a fresh page (values
+        and, with FP8, scales); per recurrent leaf, the live state is copied
+        into a fresh live page. The child's hash chain and committed count are
+        the parent's over the shared blocks, so its later ``step`` publishes
+        exactly as the parent's would and ``release`` frees exactly what it
+        holds. Neither request's next forward writes a shared page (writes
+        start at ``processed_length``), and neither may rewind below the
+        shared pages (``alloc`` refuses it, spec/manager.md §11.21).
+
+        Parameters
+        ----------
+        parent_ctx : TextContext
+            A claimed request in phase ``"running"`` (allocated and stepped,
+            no load in flight, not a dummy) with ``processed_length >= 1``.
+        child_ctx : TextContext
+            An unclaimed context whose first ``parent.processed_length`` tokens
+            are the parent's (same ``cache_salt``), with at least one token
+            after them (its own continuation: a different sampled token, a
+            beam's token), and ``processed_length`` either 0 (then ``fork``
+            marks the shared tokens processed, ``skip_processing``) or the
+            parent's. Its ``cached_prefix_length`` and
+            ``cached_prefix_external_length`` become the parent's.
+
+        Raises
+        ------
+        TypeError
+            A context is not a ``TextContext``.
+        ValueError
+            Manager shut down (``RuntimeError``); parent unclaimed, a dummy,
+            not running or with nothing processed; child already claimed, too
+            long, with other tokens or salt, with no token after the shared
+            prefix, or a ``processed_length`` other than 0 or the parent's.
+        InsufficientBlocksError
+            The replica has no free or evictable page for a copied page (the
+            partial page of a full/sliding leaf, the live state of a recurrent
+            leaf); with several leaves the slab's joint check names the first
+            leaf it cannot serve. Every raise leaves all state unchanged.
+
+        Examples
+        --------
+        >>> from kvref import PagedKVCacheManager, KVCacheParams, TextContext
+        >>> m = PagedKVCacheManager(KVCacheParams(page_size=4, num_layers=1, kv_heads=1, head_dim=2),
+        ...                         num_blocks=9, max_batch_size=4, max_seq_len=32)
+        >>> a = TextContext("a", list(range(6)))
+        >>> m.claim(a); _ = m.alloc(a); a.update(6); m.step(a)
+        >>> b = TextContext("b", list(range(6)) + [9])   # the same 6 tokens, another sample
+        >>> m.fork(a, b)
+        >>> m.get_req_blocks_per_leaf(a), m.get_req_blocks_per_leaf(b), b.processed_length
+        ({'full': [1, 2]}, {'full': [1, 3]}, 6)
+        """
+        op = "fork"
+        self._check_open(op)
+        if not isinstance(parent_ctx, TextContext):
+            raise TypeError(f"{op}: parent_ctx={parent_ctx!r}, must be a TextContext")
+        if not isinstance(child_ctx, TextContext):
+            raise TypeError(f"{op}: child_ctx={child_ctx!r}, must be a TextContext")
+        old = self._requests.get(child_ctx.request_id)
+        if old is not None:
+            raise ValueError(f"{op}: child_ctx request_id={child_ctx.request_id!r} is already claimed, on replica "
+                             f"{old.replica}")
+        req = self._req(op, parent_ctx)  # unclaimed: ValueError (spec/manager.md §2.2); §2.3 replacement
+        parent = req.ctx
+        rid = parent.request_id
+        if req.dummy:
+            raise ValueError(f"{op}: parent request_id={rid!r} is a dummy row (alloc_dummy), it holds no pages")
+        if req.phase != "running":
+            raise ValueError(f"{op}: parent request_id={rid!r} is {req.phase!r}, must be 'running' (allocated "
+                             "and stepped, no load in flight)")
+        p = parent.processed_length
+        if p == 0:
+            raise ValueError(f"{op}: parent request_id={rid!r} processed_length=0, nothing to share; claim the "
+                             "child instead")
+        if len(child_ctx) > self._max_seq_len:
+            raise ValueError(f"{op}: len(child_ctx)={len(child_ctx)} > max_seq_len={self._max_seq_len}")
+        cp = child_ctx.processed_length
+        if cp not in (0, p):
+            raise ValueError(f"{op}: child_ctx.processed_length={cp}, must be 0 (fork marks the shared tokens "
+                             f"processed) or the parent's {p}")
+        left = child_ctx.active_length - p if cp == 0 else len(child_ctx) - p  # tokens the child computes next
+        if left < 1:
+            raise ValueError(f"{op}: child_ctx request_id={child_ctx.request_id!r} has no token to compute after "
+                             f"the parent's processed_length={p} (len={len(child_ctx)}, "
+                             f"active_length={child_ctx.active_length})")
+        mine, theirs = child_ctx.tokens[:p], parent.tokens[:p]
+        diff = np.flatnonzero(mine != theirs)
+        if diff.size:
+            i = int(diff[0])
+            raise ValueError(f"{op}: child_ctx.tokens[{i}]={int(mine[i])} but the parent's tokens[{i}]="
+                             f"{int(theirs[i])}; the child must start with the parent's {p} processed tokens")
+        if hashing.salt_bytes(child_ctx.cache_salt) != hashing.salt_bytes(parent.cache_salt):
+            raise ValueError(f"{op}: child_ctx.cache_salt={child_ctx.cache_salt!r} != the parent's "
+                             f"{parent.cache_salt!r}; shared pages belong to one hash chain")
+        self._check_drafts(op, child_ctx, "child_ctx")  # spec/manager.md §15.4
+        r, page = req.replica, self._page
+        full = p // page  # pages wholly below processed_length: shared
+        pools = self._pools[r]
+        # spec/manager.md §19: per leaf, (shared pages, the page to copy or None) in leaf order
+        plan: dict[str, tuple[list[int], int | None]] = {}
+        for leaf in self._leaves:
+            row = req.rows[leaf.leaf_id]
+            if leaf.is_recurrent:
+                plan[leaf.leaf_id] = ([], row[0])  # the live state
+            else:
+                src = row[full] if p % page else NULL_BLOCK
+                plan[leaf.leaf_id] = (row[:full], src if src != NULL_BLOCK else None)
+        demand = {lid: 1 for lid, (_, src) in plan.items() if src is not None}
+        # spec/manager.md §13.3: with a slab the leaves' copies are drawn from it together
+        if self._slabs:
+            short = self._slabs[r].shortfall(demand, None)
+            if short is not None:
+                lid, n, free = short
+                raise InsufficientBlocksError(insufficient_blocks_message(op, child_ctx.request_id, n, lid, free, r))
+        else:
+            for lid, n in demand.items():
+                if n > pools[lid].num_free:
+                    raise InsufficientBlocksError(
+                        insufficient_blocks_message(op, child_ctx.request_id, n, lid, pools[lid].num_free, r))
+        # ---- commit (nothing below can fail); spec/manager.md §14.7: one clock reading for every draw
+        with held(self._clock):
+            rows: dict[str, list[int]] = {}
+            for leaf in self._leaves:
+                lid = leaf.leaf_id
+                shared, src = plan[lid]
+                pool = pools[lid]
+                for b in shared:
+                    if b != NULL_BLOCK:
+                        pool.touch(b)
+                row = list(shared)
+                if src is not None:
+                    dst = pool.allocate_one()
+                    if self._holds_bytes:  # spec/manager.md §1.5: no bytes, no copies
+                        buf = self._buffers[r][lid]
+                        self._engine.copy_page(buf, dst, buf, src)
+                        scales = self._scales[r].get(lid)
+                        if scales is not None:  # spec/manager.md §16: a page's scales travel with its values
+                            self._engine.copy_page(scales, dst, scales, src)
+                    row.append(dst)
+                rows[lid] = row
+        child = self._new_request(child_ctx, r)
+        child.rows = rows
+        child.hashes = list(req.hashes[:full])
+        child.committed = min(req.committed, full)
+        child.nulled = dict(req.nulled)
+        child.shared_floor = full * page
+        req.shared_floor = max(req.shared_floor, full * page)
+        if cp == 0:
+            child_ctx.skip_processing(p)
+        child_ctx.cached_prefix_length = parent.cached_prefix_length
+        child_ctx.cached_prefix_external_length = parent.cached_prefix_external_length
+        self._requests[child_ctx.request_id] = child
 
     # ================================================================== queries
 

@@ -176,6 +176,7 @@ class RuntimeInputs:
         FP8 all three scale fields (spec/manager.md §16.3), with a padded page its page stride."""
         eng = self._engine
         scales = self._scales[r].get(lid)
+        lut = self._lut_as(lut)  # spec/manager.md §8: uint32, or an int32 view, or int64
         return KVCacheInputsPerDevice(
             kv_blocks=self._buffers[r][lid],
             lookup_table=lut,

@@ -145,3 +145,12 @@ def test_interop_guide_runs():
     ns: dict = {}
     for b in blocks:
         exec(compile(b, "docs/interop.md", "exec"), ns)
+
+
+def test_interop_is_an_attribute_of_the_package():
+    """issue 33: ``import kvfast; kvfast.interop`` works without importing the submodule by name."""
+    import subprocess
+    import sys
+
+    code = "import kvfast; m = kvfast.interop; assert m.__name__ == 'kvfast.interop'; assert 'interop' in dir(kvfast)"
+    subprocess.run([sys.executable, "-c", code], check=True)
