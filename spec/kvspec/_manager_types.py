@@ -537,11 +537,20 @@ class TextContext:
         """
         if type(token) is not int or not -2147483648 <= token <= 2147483647:
             token = _token_int("TextContext.update", token)
-        if self._length != self._processed + self._active:  # pending_length, inlined
+        n = self._length  # the per-token path: each attribute read once, _append inlined
+        if n != self._processed + self._active:  # pending_length, inlined
             raise ValueError(
                 f"TextContext.update: {self.pending_length} pending tokens after a chunk; call advance_chunk()"
             )
-        self._append(token)
+        buf = self._tokens
+        if n == buf.size:
+            grown = np.empty(2 * n, dtype=np.int32)
+            grown[:n] = buf
+            self._tokens = buf = grown
+        buf[n] = token
+        self._length = n + 1
+        self._processed = n
+        self._active = 1
 
     @staticmethod
     def update_many(ctxs, tokens) -> None:
@@ -587,7 +596,8 @@ class TextContext:
             ctx._append(t)
 
     def _append(self, token: int) -> None:
-        """``token`` (checked) appended as the only active token (nothing pending)."""
+        """``token`` (checked) appended as the only active token (nothing pending): ``update_many``'s
+        write (``update`` inlines it)."""
         n = self._length  # the per-token path: each attribute read once
         buf = self._tokens
         if n == buf.size:
