@@ -644,7 +644,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         if self._single and not self._scales_stride:
             return KVCacheInputs(tuple(KVCacheInputsPerDevice(
                 kv_blocks=self._buffers[r][leaf],  # None in bookkeeping-only mode (spec/manager.md §8)
-                lookup_table=self._lut_as(eng.to_device(eng.lookup_table(rows, widths, cols))),  # (its dtype, §8)
+                lookup_table=self._lut_as(eng.to_device(eng.lookup_table(rows, widths, cols))),  # spec/manager.md §8
                 cache_lengths=eng.to_device(np.array(lengths, dtype=np.uint32)),
                 max_prompt_length=longest,
                 max_cache_length=reach if max_cache_length is None else max_cache_length,

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvspec import KVCacheParams, LeafKind, LeafSpec
 from kvspec.engine import NULL_BLOCK
 
-from kvref import _allocation, _commit, _manager, _prefix_hits, _runtime_inputs, _transfers
+from kvref import _allocation, _batch, _commit, _manager, _prefix_hits, _runtime_inputs, _transfers
 from kvref._leaves import FullLeaf, Leaf, RecurrentLeaf, Residency, SlidingWindowLeaf, joint_hit
 from kvref._request import _AllocPlan, _Request
 from kvspec._manager_types import LUT_ALIGN
@@ -297,7 +297,7 @@ def _kind_tests(node: ast.AST) -> list[int]:
 
 #: The policy: the front class and the halves it mixes in (spec/manager.md §12).
 POLICY = {_manager: "PagedKVCacheManager", _prefix_hits: "PrefixHits", _allocation: "Allocation",
-          _commit: "Commit", _transfers: "Transfers", _runtime_inputs: "RuntimeInputs"}
+          _commit: "Commit", _transfers: "Transfers", _runtime_inputs: "RuntimeInputs", _batch: "BatchCalls"}
 
 
 def test_the_policy_is_the_front_class_and_its_halves():
