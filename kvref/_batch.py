@@ -105,7 +105,7 @@ class BatchCalls:
         for ctx in ctxs:
             req = requests.get(ctx.request_id) if type(ctx) is TextContext else None
             if req is None or req.ctx is not ctx or req.load is not None:
-                req = self._batch_req("step", ctx)
+                req = self._find_req("step", ctx)
                 guarded = True  # an adoption, or a load of its own polled by the step
             rows = req.rows
             if ctx._processed <= len(rows[anchor or paged[0]]) * page and anchor is not None:
@@ -149,7 +149,7 @@ class BatchCalls:
             rid = ctx if isinstance(ctx, str) else self._ctx("release", ctx).request_id
             if rid in seen:
                 raise ValueError(f"release: request_id={rid!r} is not claimed, so it holds no pages; call claim first")
-            self._batch_req("release", ctx, allow_id=True)
+            self._find_req("release", ctx, allow_id=True)
             seen.add(rid)
         release = self.release
         with held(self._clock):  # spec/manager.md §17.1: one clock reading, checked before any change
@@ -163,22 +163,6 @@ class BatchCalls:
         if isinstance(ctxs, (str, bytes, TextContext)) or not hasattr(ctxs, "__iter__"):
             raise TypeError(f"{op}: ctxs={ctxs!r}, must be a sequence of TextContext")
         return ctxs if type(ctxs) is list else list(ctxs)
-
-    def _batch_req(self, op: str, ctx, *, allow_id: bool = False) -> _Request:
-        """``_req``'s checks and errors for one context of a batch, without adopting a replacement
-        context (the loop adopts it, spec/manager.md §2.3)."""
-        if allow_id and isinstance(ctx, str):
-            rid = ctx
-        else:
-            rid = self._ctx(op, ctx).request_id
-        req = self._requests.get(rid)
-        if req is None:
-            raise ValueError(f"{op}: request_id={rid!r} is not claimed, so it holds no pages; call claim first")
-        if isinstance(ctx, TextContext) and req.ctx is not ctx:
-            n = len(req.hashes) * self._page
-            if not np.array_equal(req.ctx.tokens[:n], ctx.tokens[:n]):
-                raise ValueError(f"{op}: request_id={rid!r} was claimed with other tokens")
-        return req
 
     def _batch_check_alloc(self, ctxs: list, defer_lookup) -> list[_Request]:
         """Every argument check of ``alloc`` for every context, in the loop's order (each depends
@@ -199,7 +183,7 @@ class BatchCalls:
             req = requests.get(ctx.request_id) if type(ctx) is TextContext else None
             if (req is None or req.ctx is not ctx or ctx._length > longest or ctx._spec_decoding_state is not None
                     or ctx._processed < req.committed * page):
-                req = self._batch_req(op, ctx)
+                req = self._find_req(op, ctx)
                 self._check_len(op, ctx)
                 self._check_drafts(op, ctx)
                 self._check_no_rewind(op, req, ctx)

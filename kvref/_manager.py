@@ -430,6 +430,14 @@ class PagedKVCacheManager(PrefixHits, Allocation, Commit, Transfers, RuntimeInpu
         return ctx
 
     def _req(self, op: str, ctx, *, allow_id: bool = False) -> _Request:
+        req = self._find_req(op, ctx, allow_id=allow_id)
+        if isinstance(ctx, TextContext) and req.ctx is not ctx:
+            req.ctx = ctx  # spec/manager.md §2.3: a new context object for a claimed id replaces the old one
+        return req
+
+    def _find_req(self, op: str, ctx, *, allow_id: bool = False) -> _Request:
+        """The record of ``ctx`` (a request id with ``allow_id``) after ``_req``'s checks and errors,
+        a replacement context checked but not adopted (a batch's checks, spec/manager.md §17.2)."""
         if allow_id and isinstance(ctx, str):
             rid = ctx
         else:
@@ -438,11 +446,8 @@ class PagedKVCacheManager(PrefixHits, Allocation, Commit, Transfers, RuntimeInpu
         if req is None:
             raise ValueError(f"{op}: request_id={rid!r} is not claimed, so it holds no pages; call claim first")
         if isinstance(ctx, TextContext) and req.ctx is not ctx:
-            # spec/manager.md §2.3: a new context object for a claimed id replaces the old one.
-            if np.array_equal(req.ctx.tokens[: len(req.hashes) * self._page],
-                              ctx.tokens[: len(req.hashes) * self._page]):
-                req.ctx = ctx
-            else:
+            n = len(req.hashes) * self._page
+            if not np.array_equal(req.ctx.tokens[:n], ctx.tokens[:n]):
                 raise ValueError(f"{op}: request_id={rid!r} was claimed with other tokens")
         return req
 
@@ -661,7 +666,7 @@ class PagedKVCacheManager(PrefixHits, Allocation, Commit, Transfers, RuntimeInpu
         if old is not None:
             raise ValueError(f"{op}: child_ctx request_id={child_ctx.request_id!r} is already claimed, on replica "
                              f"{old.replica}")
-        req = self._req(op, parent_ctx)  # unclaimed: ValueError (spec/manager.md §2.2); §2.3 replacement
+        req = self._req(op, parent_ctx)  # spec/manager.md §2.2, §2.3: unclaimed raises; a replacement is adopted
         parent = req.ctx
         rid = parent.request_id
         if req.dummy:

@@ -539,9 +539,7 @@ class TextContext:
             token = _token_int("TextContext.update", token)
         n = self._length  # the per-token path: each attribute read once, _append inlined
         if n != self._processed + self._active:  # pending_length, inlined
-            raise ValueError(
-                f"TextContext.update: {self.pending_length} pending tokens after a chunk; call advance_chunk()"
-            )
+            raise self._pending_refused()
         buf = self._tokens
         if n == buf.size:
             grown = np.empty(2 * n, dtype=np.int32)
@@ -589,11 +587,13 @@ class TextContext:
             if id(ctx) not in seen:  # (a repeat follows its own update: nothing pending)
                 seen.add(id(ctx))
                 if ctx._length != ctx._processed + ctx._active:
-                    raise ValueError(
-                        f"TextContext.update: {ctx.pending_length} pending tokens after a chunk; call advance_chunk()"
-                    )
+                    raise ctx._pending_refused()
         for ctx, t in zip(ctxs, toks):
             ctx._append(t)
+
+    def _pending_refused(self) -> ValueError:
+        """``update``'s refusal while a chunk's tokens are pending."""
+        return ValueError(f"TextContext.update: {self.pending_length} pending tokens after a chunk; call advance_chunk()")
 
     def _append(self, token: int) -> None:
         """``token`` (checked) appended as the only active token (nothing pending): ``update_many``'s

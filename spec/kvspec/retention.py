@@ -37,6 +37,14 @@ NO_CLAIM = -1
 NEVER = math.inf
 
 
+def _as_float(value: numbers.Real) -> float:
+    """``float(value)``, infinite for an int past float's range (``10**400``): out of range, not a crash."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
 def check_priority(owner: str, value, name: str = "retention_priority") -> int:
     """``value`` as an int in ``0 .. 100``; ``TypeError`` / ``ValueError`` naming ``owner`` and ``name``."""
     if type(value) is int and MIN_PRIORITY <= value <= MAX_PRIORITY:
@@ -55,10 +63,7 @@ def check_seconds(owner: str, value, name: str = "retention_seconds") -> float |
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{owner}: {name}={value!r}, must be None or a real number of seconds > 0")
-    try:
-        v = float(value)
-    except OverflowError:  # an int past float's range (10**400): out of range, not a crash
-        v = math.inf
+    v = _as_float(value)
     if not math.isfinite(v) or v <= 0:
         raise ValueError(f"{owner}: {name}={value!r}, must be None or a finite number of seconds > 0")
     return v
@@ -87,10 +92,7 @@ def check_reading(owner: str, value) -> float:
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{owner}: clock() returned {value!r}, must be a finite real number of seconds")
-    try:
-        v = float(value)
-    except OverflowError:
-        v = math.inf
+    v = _as_float(value)
     if not math.isfinite(v):
         raise ValueError(f"{owner}: clock() returned {value!r}, must be a finite real number of seconds")
     return v
