@@ -355,6 +355,70 @@ class ManagerComparison(BackendBound, RuleBasedStateMachine):
             self.ctx_sut[rid].reset()
             self.allocated.discard(rid)
 
+    # ------------------------------------------------------------------ batch calls (spec/manager.md §17)
+
+    def _batch(self, data, *, claimed=True, prefer=None) -> list[str]:
+        """Request ids for a batch call: a few claimed ones, now and then an unclaimed one or a
+        repeat (the loop's own refusal or second call), in a drawn order."""
+        ids = [i for i in sorted(self.ctx_ref) if claimed is None or self.ref.contains(i) == claimed]
+        if prefer is not None:
+            ids = [i for i in ids if prefer(i)] or ids
+        if not ids:
+            return []
+        out = data.draw(st.lists(st.sampled_from(ids), min_size=1, max_size=4, unique=True), label="batch")
+        if data.draw(_RARE, label="an odd member"):
+            out.append(data.draw(st.sampled_from(sorted(self.ctx_ref)), label="odd member"))
+        return out
+
+    @rule(data=st.data())
+    def alloc_many(self, data):
+        """``alloc_many``: the loop of ``alloc``, or its error with nothing changed."""
+        ids = self._batch(data, prefer=lambda i: i not in self.allocated)
+        if not ids:
+            return
+        args = ", ".join(f"ctx_{i}" for i in ids)
+        out = self._both(f"[t.is_complete() for t in manager.alloc_many([{args}])]",
+                         lambda m, cs: [t.is_complete() for t in m.alloc_many([cs[i] for i in ids])], drains=True)
+        if out is not None:
+            self.allocated.update(ids)
+
+    @precondition(lambda self: self.allocated)
+    @rule(data=st.data())
+    def step_many(self, data):
+        """Forwards of several allocated requests, then one ``step_many`` over them."""
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.allocated)), min_size=1, max_size=4, unique=True),
+                        label="batch")
+        for rid in ids:
+            seed = data.draw(st.integers(0, 2**16), label="kv seed")
+            token = data.draw(kst.token_ids(), label="token")
+            then = "advance_chunk()" if self.ctx_ref[rid].pending_length else f"update({token})"
+            record(f"write_forward(manager, ctx_{rid}, {seed}, {self.replica_of[rid]}); ctx_{rid}.{then}")
+            for m, cs in ((self.ref, self.ctx_ref), (self.sut, self.ctx_sut)):
+                write_forward(m, cs[rid], seed, self.replica_of[rid])
+                if cs[rid].pending_length:
+                    cs[rid].advance_chunk()
+                else:
+                    cs[rid].update(token)
+            self.allocated.discard(rid)
+        if data.draw(_RARE, label="an odd member"):
+            ids = ids + [data.draw(st.sampled_from(sorted(self.ctx_ref)), label="odd member")]
+        args = ", ".join(f"ctx_{i}" for i in ids)
+        self._both(f"manager.step_many([{args}])", lambda m, cs: m.step_many([cs[i] for i in ids]))
+
+    @rule(data=st.data())
+    def release_many(self, data):
+        ids = self._batch(data)
+        if not ids:
+            return
+        args = ", ".join(f"ctx_{i}" for i in ids)
+        out = self._both(f"manager.release_many([{args}])", lambda m, cs: m.release_many([cs[i] for i in ids]))
+        if out is not None:
+            for rid in dict.fromkeys(ids):
+                record(f"ctx_{rid}.reset()  # preempted: recompute from scratch")
+                self.ctx_ref[rid].reset()
+                self.ctx_sut[rid].reset()
+                self.allocated.discard(rid)
+
     @rule(data=st.data())
     def alloc_dummy(self, data):
         rid = self._rid(data, claimed=False)
