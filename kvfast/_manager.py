@@ -204,8 +204,9 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                         n = len(req.rows[lid])
                         if n < states:
                             states = n
+                # (no rewind into published pages, spec/manager.md §11.21, nor into a fork's, spec/manager.md §19)
                 if row and ctx._length <= self._max_seq_len and processed >= req.committed * page and states and (
-                        short > -page or not self._drafts):
+                        short > -page or not self._drafts) and processed >= req.shared_floor:
                     if self._loads or self._offloads and self._completions_moved():
                         self._drain()  # spec/manager.md §9.2: finished transfers land before the sizing
                     # Not at the reuse point (the row holds pages): only growth, no splice; every

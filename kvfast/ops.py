@@ -11,16 +11,30 @@ work is the cache's fast engine (``cache.engine``):
 * :func:`gather_kv` returns one slot's committed K/V densely (Numba or
   ``gather_kv.cu``);
 * :func:`varlen_attention` attends in float32: on the CPU the reference
-  algorithm, on the GPU the same algorithm in CuPy array operations.
+  algorithm, on the GPU the same algorithm in CuPy array operations;
+* :func:`gather_step` reads a step's histories, padded or packed, through the
+  engine's gather kernels.
+
+Torch in, torch out and ``layout="bhsd"`` as kvref's (``spec/slot-cache.md`` §7.4).
+
+The manager's ops (``spec/manager.md`` §18), kvref's policy with kvfast's mechanisms:
+:func:`append_kv_paged` and :func:`paged_attention` over a manager's ``kv_blocks``
+run the Numba kernels of ``kvfast/_numba/paged.py`` on a NumPy buffer and the
+``paged_attention.cu`` kernels on a CuPy buffer (under ``KVFAST_CUDA_EMULATE=1``
+on the CPU, through the host harness).
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 import kvref
+from kvspec._interop import host_array, is_torch
 
 from ._slot_cache import KVCache
 
-__all__ = ["append_kv", "gather_kv", "varlen_attention"]
+__all__ = ["append_kv", "gather_kv", "varlen_attention", "gather_step", "append_kv_paged", "paged_attention",
+           "FastPagedOps", "CudaPagedOps"]
 
 
 def _check_cache(api: str, cache) -> None:
@@ -28,7 +42,7 @@ def _check_cache(api: str, cache) -> None:
         raise TypeError(f"{api}: cache={type(cache).__name__}, must be a kvfast.KVCache")
 
 
-def append_kv(cache, layer: int, k, v, step) -> None:
+def append_kv(cache, layer: int, k, v, step, *, layout: str = "thd") -> None:
     """Scatter a step's new K/V into an attention or sliding-window layer.
 
     Token t goes to flat storage row ``step.slot_mapping[t]``; tokens with
@@ -43,10 +57,14 @@ def append_kv(cache, layer: int, k, v, step) -> None:
         The step's new keys and values; an FP8 cache quantises them with per-(block, head)
         scales (``spec/slot-cache.md`` §10.2: finite values in every row with ``slot_mapping >= 0``,
         else ``ValueError``; padding rows are never read, any values there change nothing); otherwise
-        cast to the storage dtype (no cast,
-        a bit copy, when they already have it).
+        cast to the storage dtype (no cast, a bit copy, when they already have it; a wider input
+        rounded once, to nearest even). NumPy, torch tensors of any floating dtype (bfloat16,
+        FP8 widened exactly), device arrays on CUDA; ``[B, kv_heads, S, head_dim]`` with
+        ``layout="bhsd"``.
     step : StepIndices
         From ``cache.prepare_step``; ``T == step.num_tokens``.
+    layout : {"thd", "bhsd"}
+        As ``kvref.ops.append_kv`` (``spec/slot-cache.md`` §7.4).
 
     Raises
     ------
@@ -55,13 +73,13 @@ def append_kv(cache, layer: int, k, v, step) -> None:
     TypeError
         Wrong layer kind, non-floating ``k``/``v``, or ``step`` not a ``StepIndices``.
     ValueError
-        Shapes wrong. Storage is unchanged.
+        Shapes or ``layout`` wrong. Storage is unchanged.
     """
     _check_cache("append_kv", cache)
-    kvref.ops.append_kv(cache, layer, k, v, step)
+    kvref.ops.append_kv(cache, layer, k, v, step, layout=layout)
 
 
-def gather_kv(cache, layer: int, slot: int):
+def gather_kv(cache, layer: int, slot: int, *, like=None):
     """Dense K and V of one slot.
 
     Parameters
@@ -72,25 +90,28 @@ def gather_kv(cache, layer: int, slot: int):
         positions) or CROSS_ATTENTION (the filled encoder length).
     slot : int
         ``0 <= slot < max_seqs``.
+    like : torch.Tensor or numpy.ndarray, optional
+        A torch tensor: torch results on its device (bfloat16 as ``torch.bfloat16``).
 
     Returns
     -------
     K, V : config.dtype [n, kv_heads, head_dim]
-        Copies (NumPy on CPU, CuPy on CUDA); float32, dequantised, for an FP8 cache
-        (``spec/slot-cache.md`` §10.3).
+        Copies (NumPy on CPU, CuPy on CUDA, torch with a torch ``like``); float32, dequantised,
+        for an FP8 cache (``spec/slot-cache.md`` §10.3).
 
     Raises
     ------
     IndexError
         ``layer`` or ``slot`` out of range.
     TypeError
-        A STATE layer.
+        A STATE layer, or a bad ``like``.
     """
     _check_cache("gather_kv", cache)
-    return kvref.ops.gather_kv(cache, layer, slot)
+    return kvref.ops.gather_kv(cache, layer, slot, like=like)
 
 
-def varlen_attention(q, cache, layer: int, step, scale: float | None = None):
+def varlen_attention(q, cache, layer: int, step, scale: float | None = None, *, layout: str = "thd",
+                     out_dtype=None):
     """Attention of a step's queries through the cache, computed in float32.
 
     Same semantics as ``kvref.ops.varlen_attention``: row b attends keys
@@ -100,8 +121,9 @@ def varlen_attention(q, cache, layer: int, step, scale: float | None = None):
 
     Parameters
     ----------
-    q : float [T, q_heads, head_dim]
-        ``q_heads`` a multiple of the layer's ``kv_heads``.
+    q : float [T, q_heads, head_dim] (``"bhsd"``: [B, q_heads, S, head_dim])
+        ``q_heads`` a multiple of the layer's ``kv_heads``; NumPy, torch (any floating dtype)
+        or a device array.
     cache : kvfast.KVCache
     layer : int
         ATTENTION, SLIDING_WINDOW or CROSS_ATTENTION.
@@ -109,10 +131,15 @@ def varlen_attention(q, cache, layer: int, step, scale: float | None = None):
         From ``cache.prepare_step``, with the step's K/V already appended.
     scale : float, optional
         Score scale; default ``1 / sqrt(head_dim)``.
+    layout : {"thd", "bhsd"}
+        Of ``q`` and of the result.
+    out_dtype : {None, "float16", "bfloat16", "float32"}, optional
+        The float32 result rounded once to this dtype; None: float32.
 
     Returns
     -------
-    float32 [T, q_heads, head_dim]
+    float32 [T, q_heads, head_dim] (``"bhsd"``: [B, q_heads, S, head_dim])
+        A torch tensor on ``q``'s device for a torch ``q``, else NumPy (CPU) or CuPy (CUDA).
         An FP8 cache is read dequantised, exactly as ``gather_kv`` returns it (``spec/slot-cache.md`` §10.3).
 
     Raises
@@ -121,4 +148,210 @@ def varlen_attention(q, cache, layer: int, step, scale: float | None = None):
         As the reference.
     """
     _check_cache("varlen_attention", cache)
-    return kvref.ops.varlen_attention(q, cache, layer, step, scale)
+    return kvref.ops.varlen_attention(q, cache, layer, step, scale, layout=layout, out_dtype=out_dtype)
+
+
+def gather_step(cache, layer: int, step, *, padded: bool = True, like=None):
+    """K and V of every row's whole history in a step, padded or packed (as ``kvref.ops.gather_step``).
+
+    Parameters
+    ----------
+    cache : kvfast.KVCache
+    layer : int
+        ATTENTION, SLIDING_WINDOW or CROSS_ATTENTION.
+    step : StepIndices
+        From ``cache.prepare_step`` (after the step's ``append_kv``: its tokens are included).
+    padded : bool
+        True: ``[rows, max_len, kv_heads, head_dim]`` zero-padded and ``lengths`` int32 [rows];
+        False: ``[total, kv_heads, head_dim]`` and ``cu_seqlens`` int32 [rows + 1].
+    like : torch.Tensor or numpy.ndarray, optional
+        A torch tensor: torch results on its device.
+
+    Returns
+    -------
+    (K, V, lengths) or (K, V, cu_seqlens)
+        config.dtype (float32 for FP8); NumPy on the CPU, CuPy on CUDA, torch with a torch ``like``.
+
+    Raises
+    ------
+    IndexError, TypeError
+        As the reference.
+    """
+    _check_cache("gather_step", cache)
+    return kvref.ops.gather_step(cache, layer, step, padded=padded, like=like)
+
+
+# ----------------------------------------------------------------------------- manager ops (spec/manager.md §18)
+
+
+class FastPagedOps(kvref.ops.ReferencePagedOps):
+    """The manager ops' mechanisms on the CPU: the Numba kernels of ``kvfast/_numba/paged.py``."""
+
+    _WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+    def scatter(self, kv_blocks, layer: int, k, v, lut, lengths, row_offsets, pages, offsets) -> None:
+        from ._numba.paged import scatter_paged
+
+        word = self._WORDS[kv_blocks.dtype.itemsize]
+        scatter_paged(kv_blocks.view(word), layer, k.view(word), v.view(word), pages, offsets)
+
+    def attend(self, q, kv_blocks, layer: int, lut, lengths, row_offsets, window: int, scale: float):
+        from ._numba.paged import attend_paged, decode_table
+
+        q = np.ascontiguousarray(q.astype(np.float32, copy=False))
+        out = np.zeros(q.shape, np.float32)
+        if kv_blocks.dtype == np.float32:
+            attend_paged(kv_blocks, _NO_TABLE, layer, q, lut, lengths, row_offsets, window, scale, out)
+        else:
+            attend_paged(kv_blocks.view(np.uint16), decode_table(kv_blocks.dtype.name), layer, q, lut, lengths,
+                         row_offsets, window, scale, out)
+        return out
+
+
+_NO_TABLE = np.zeros(1, np.float32)
+
+
+class CudaPagedOps(FastPagedOps):
+    """The manager ops' mechanisms on CUDA: ``paged_attention.cu`` through CuPy (``kvfast/_cuda/paged_attention.py``).
+
+    ``kv_blocks`` is a CuPy array (a bfloat16 manager's ``uint16`` bit patterns) or a CUDA torch
+    tensor (taken through DLPack, no copy). Inputs are converted to the buffer's dtype as kvref
+    converts them (``kvfast/_cuda/convert.py``).
+    """
+
+    def buffer(self, api: str, kv_blocks):
+        if is_torch(kv_blocks):
+            from .interop import from_torch
+
+            return from_torch(kv_blocks)
+        return kv_blocks
+
+    def to_host(self, x) -> np.ndarray:
+        """A host NumPy array of ``x``: a device array copied back, a tensor through ``host_array``."""
+        if is_torch(x):
+            return host_array(x.detach().cpu())
+        if not isinstance(x, np.ndarray) and hasattr(x, "__cuda_array_interface__"):
+            from ._cuda._module import cupy
+
+            return cupy().asnumpy(x)
+        return host_array(x)
+
+    @staticmethod
+    def _logical(kv_blocks) -> str:
+        return "bfloat16" if kv_blocks.dtype == np.uint16 else kv_blocks.dtype.name
+
+    def kv_input(self, api: str, name: str, x, kv_blocks):
+        from ._cuda._module import cupy
+        from ._cuda.convert import rows_contiguous, to_device_storage
+
+        with cupy().cuda.Device(kv_blocks.device.id):
+            return rows_contiguous(to_device_storage(api, name, x, kv_blocks.dtype, self._logical(kv_blocks)))
+
+    def query_input(self, api: str, q):
+        """``q`` checked floating (``TypeError`` otherwise); :meth:`attend` widens it to float32 on
+        the buffer's device."""
+        if is_torch(q):
+            if str(q.dtype) in ("torch.bfloat16", "torch.float8_e4m3fn", "torch.float8_e5m2"):
+                q = q.float()  # exact; CuPy has neither dtype
+            q = self.buffer(api, q)
+        dt = getattr(q, "dtype", None)
+        if dt is None:
+            q = host_array(q)
+            dt = q.dtype
+        if np.dtype(dt).kind != "f" and np.dtype(dt).name != "bfloat16":
+            raise TypeError(f"{api}: q dtype={dt}, must be a floating type")
+        return q
+
+    def scatter(self, kv_blocks, layer: int, k, v, lut, lengths, row_offsets, pages, offsets) -> None:
+        from ._cuda._module import cupy
+        from ._cuda.paged_attention import paged_append
+
+        with cupy().cuda.Device(kv_blocks.device.id):
+            paged_append(k, v, kv_blocks, layer, lut, lengths, row_offsets)
+
+    def attend(self, q, kv_blocks, layer: int, lut, lengths, row_offsets, window: int, scale: float):
+        from ._cuda._module import cupy
+        from ._cuda.convert import query_float32
+        from ._cuda.paged_attention import KV_FORMATS, paged_attention as launch
+
+        with cupy().cuda.Device(kv_blocks.device.id):
+            return launch(query_float32(q), kv_blocks, layer, lut, lengths, row_offsets, window=window, scale=scale,
+                          kv_format=KV_FORMATS[self._logical(kv_blocks)])
+
+
+_FAST_PAGED = FastPagedOps()
+_CUDA_PAGED = None
+
+
+def _paged_engine(kv_blocks):
+    """The engine of a buffer: CUDA for a device array or a CUDA tensor, Numba otherwise."""
+    global _CUDA_PAGED
+    on_device = (is_torch(kv_blocks) and kv_blocks.device.type == "cuda") or (
+        not isinstance(kv_blocks, np.ndarray) and not is_torch(kv_blocks)
+        and hasattr(kv_blocks, "__cuda_array_interface__"))
+    if not on_device:
+        return _FAST_PAGED
+    if _CUDA_PAGED is None:
+        _CUDA_PAGED = CudaPagedOps()
+    return _CUDA_PAGED
+
+
+def append_kv_paged(kv_blocks, layer: int, k, v, inputs, input_row_offsets, *, layout: str = "thd") -> None:
+    """Write a step's new K/V into a manager's pages (``kvref.ops.append_kv_paged``; spec/manager.md §18.3).
+
+    Token j of row b sits at ``p = inputs.cache_lengths[b] + j`` and goes to
+    ``kv_blocks[lookup_table[b, p // page_size], 0 / 1, layer, p % page_size]``; tokens on the
+    null page 0 are skipped (padding, dummy rows).
+
+    Parameters
+    ----------
+    kv_blocks : [num_blocks, 2, num_layers, page_size, kv_heads, head_dim]
+        float16 / bfloat16 / float32 (CuPy: bfloat16 as ``uint16`` bits); NumPy (Numba kernel),
+        CuPy (``paged_append_kernel``), or a torch view of either.
+    layer : int
+    k, v : float [T, kv_heads, head_dim] (``"bhsd"``: [B, kv_heads, S, head_dim])
+    inputs : KVCacheInputsPerDevice
+        ``manager.runtime_inputs(...).inputs[r]``.
+    input_row_offsets : int [B + 1]
+        Exclusive cumulative sum of each row's new tokens.
+    layout : {"thd", "bhsd"}
+
+    Raises
+    ------
+    TypeError, IndexError, ValueError
+        As the reference; a raise writes nothing.
+    """
+    kvref.ops.append_kv_paged(kv_blocks, layer, k, v, inputs, input_row_offsets, layout=layout,
+                              engine=_paged_engine(kv_blocks))
+
+
+def paged_attention(q, kv_blocks, layer: int, inputs, input_row_offsets, *, window: int | None = None,
+                    scale: float | None = None, layout: str = "thd", out_dtype=None):
+    """Causal GQA attention through a manager's pages, float32 (``kvref.ops.paged_attention``,
+    spec/manager.md §18.4).
+
+    Parameters
+    ----------
+    q : float [T, q_heads, head_dim] (``"bhsd"``: [B, q_heads, S, head_dim])
+    kv_blocks, layer, inputs, input_row_offsets
+        As :func:`append_kv_paged`.
+    window : int, optional
+        Sliding window (``>= 1``); None: full attention.
+    scale : float, optional
+        Default ``1 / sqrt(head_dim)``.
+    layout : {"thd", "bhsd"}
+    out_dtype : {None, "float16", "bfloat16", "float32"}, optional
+
+    Returns
+    -------
+    float32 [T, q_heads, head_dim]
+        Torch on ``q``'s device for a torch ``q``; else NumPy (Numba kernel) or CuPy (CUDA kernel).
+        Equal to kvref's within 1e-5 (relative, 1e-6 absolute): float32 sums in another order.
+
+    Raises
+    ------
+    TypeError, IndexError, ValueError
+        As the reference.
+    """
+    return kvref.ops.paged_attention(q, kv_blocks, layer, inputs, input_row_offsets, window=window, scale=scale,
+                                     layout=layout, out_dtype=out_dtype, engine=_paged_engine(kv_blocks))

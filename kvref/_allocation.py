@@ -72,7 +72,8 @@ class Allocation:
         req = self._requests.get(ctx.request_id) if type(ctx) is TextContext else None
         if (req is not None and req.ctx is ctx and defer_lookup is False and req.settled
                 and not self._closed and len(ctx) <= self._max_seq_len
-                and req.rows[self._anchor.leaf_id] and ctx._processed >= req.committed * self._page):
+                and req.rows[self._anchor.leaf_id]
+                and ctx._processed >= max(req.committed * self._page, req.shared_floor)):
             # spec/manager.md §4 for a request past its admission (it holds pages, no load, no external
             # stage due): the drain (step 2), the sizing (step 6) and the count (step 9) only.
             if ctx._spec_decoding_state is not None:

@@ -182,7 +182,7 @@ class BatchCalls:
         for ctx in ctxs:
             req = requests.get(ctx.request_id) if type(ctx) is TextContext else None
             if (req is None or req.ctx is not ctx or ctx._length > longest or ctx._spec_decoding_state is not None
-                    or ctx._processed < req.committed * page):
+                    or ctx._processed < max(req.committed * page, req.shared_floor)):
                 req = self._find_req(op, ctx)
                 self._check_len(op, ctx)
                 self._check_drafts(op, ctx)

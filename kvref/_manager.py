@@ -706,7 +706,7 @@ class PagedKVCacheManager(PrefixHits, Allocation, Commit, Transfers, RuntimeInpu
         plan: dict[str, tuple[list[int], int | None]] = {}
         for leaf in self._leaves:
             row = req.rows[leaf.leaf_id]
-            if leaf.is_recurrent:
+            if leaf in self._recurrent_leaves:  # (the membership list __init__ built, spec/manager.md §12)
                 plan[leaf.leaf_id] = ([], row[0])  # the live state
             else:
                 src = row[full] if p % page else NULL_BLOCK

@@ -70,7 +70,7 @@ class _Request:
 
     __slots__ = ("ctx", "replica", "rows", "_dummy", "hashes", "committed", "nulled", "restore", "_ext_point",
                  "_lookup", "_lookup_pending", "skip_connector", "_load", "stepped_during_load", "ran_past",
-                 "step_gen", "counted_gen", "counted_active", "settled")
+                 "step_gen", "counted_gen", "counted_active", "settled", "shared_floor")
 
     def __init__(self, ctx: TextContext, replica: int, rows: dict[str, list[int]], dummy: bool = False):
         self.ctx = ctx
@@ -78,6 +78,8 @@ class _Request:
         self.rows = rows
         self.hashes: list[bytes] = []
         self.committed = 0  # leading row blocks published (or loading)
+        # spec/manager.md §19: tokens below which the rows hold pages shared with a fork (never rewound into)
+        self.shared_floor = 0
         self.nulled: dict[str, int] = {}  # sliding: leading null slots
         self.restore: dict[str, int] = {}  # recurrent: checkpoint page to resume from
         self.skip_connector = False

@@ -93,6 +93,35 @@ def _token_vector(api: str, name: str, value) -> np.ndarray:
     return arr.astype(np.int32)
 
 
+def _strip_pads(api: str, name: str, tokens: np.ndarray, pad_token_id, attention_mask) -> np.ndarray:
+    """spec/slot-cache.md §13: the sequence's own tokens, pads removed before any hash is taken.
+
+    ``attention_mask`` (transformers' convention: 1 = a token, 0 = a pad, any placement) keeps
+    the tokens under a 1; ``pad_token_id`` drops the **leading** run of that id (left padding).
+    Neither given: ``tokens`` as they are. ``TypeError`` / ``ValueError`` name the argument.
+    """
+    if pad_token_id is None and attention_mask is None:
+        return tokens
+    if pad_token_id is not None and attention_mask is not None:
+        raise ValueError(f"{api}: pad_token_id={pad_token_id!r} and an attention_mask given, pass one of them")
+    if attention_mask is not None:
+        mask = np.asarray(attention_mask)
+        if mask.dtype.kind not in "biu":
+            raise TypeError(f"{api}: attention_mask dtype={mask.dtype}, must be bool or integer 0/1")
+        if mask.ndim != 1 or mask.shape[0] != tokens.shape[0]:
+            raise ValueError(f"{api}: attention_mask.shape={mask.shape}, must be [len({name})]=[{tokens.shape[0]}]")
+        bad = np.flatnonzero((mask != 0) & (mask != 1))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"{api}: attention_mask[{i}]={mask[i]}, must be 0 (pad) or 1 (token)")
+        return tokens[mask.astype(bool)]
+    pad = _check_scalar(api, "pad_token_id", pad_token_id)
+    if not _INT32_MIN <= pad <= _INT32_MAX:
+        raise ValueError(f"{api}: pad_token_id={pad} out of int32 range [{_INT32_MIN}, {_INT32_MAX}]")
+    real = np.flatnonzero(tokens != pad)
+    return tokens[int(real[0]):] if real.size else tokens[:0]
+
+
 def _float_tensor(api: str, name: str, value, shape_hint: str) -> np.ndarray:
     """A floating array (float16/bfloat16/float32/float64); ``TypeError`` otherwise.
 
@@ -153,7 +182,10 @@ class KVCache:
     ``config.dtype`` (``float8_e4m3fn``, ``float8_e5m2``) adds float32 scales per
     (block, layer, K/V, kv head), :meth:`scales` (``spec/slot-cache.md`` §10).
     Speculative decoding: :meth:`checkpoint_state` before a verification step,
-    :meth:`restore_state` after a rejection (``spec/slot-cache.md`` §11).
+    :meth:`restore_state` after a rejection (``spec/slot-cache.md`` §11). Beam search
+    and ``n > 1`` sampling: :meth:`fork` copies a slot copy-on-write (``spec/slot-cache.md``
+    §12). Padded batches: :meth:`admit` and :meth:`retire` take ``pad_token_id`` or
+    ``attention_mask`` so pads never enter a prefix hash (``spec/slot-cache.md`` §13).
 
     Examples
     --------
@@ -313,6 +345,9 @@ class KVCache:
         #: blocks held per slot (live columns) and adopted (shared) columns per slot
         self._nblk = np.zeros(S, np.int64)
         self._nshared = np.zeros(S, np.int64)
+        #: leading columns never written again (spec/slot-cache.md §12): the adopted ones and those
+        #: a fork shares copy-on-write; ``nshared <= nfrozen <= nblk``; the rewind floor of spec/slot-cache.md §2.6
+        self._nfrozen = np.zeros(S, np.int64)
         #: published hash -> parent hash, so check_invariants can recompute the chain
         self._parents: dict[bytes, bytes] = {}
         #: state checkpoints: block hash -> copies of the state slabs, LRU first
@@ -496,9 +531,10 @@ class KVCache:
         cap = self._capacity(b)
         if pos > cap:
             raise ValueError(f"{api}: new_pos={pos} > capacity={cap} of slot {b}")
-        shared = int(self._nshared[b]) * self._config.block_size
+        shared = int(self._nfrozen[b]) * self._config.block_size
         if pos < shared:
-            # spec/slot-cache.md §2.6: positions below the adopted prefix live in shared blocks; rewriting them is forbidden.
+            # spec/slot-cache.md §2.6, §12: positions below the adopted (or fork-shared) prefix live in shared
+            # blocks; rewriting them is forbidden.
             raise ValueError(f"{api}: new_pos={pos} < shared prefix={shared} of slot {b}")
         # spec/slot-cache.md §2.6: shrinking keeps the blocks (capacity stays); nothing is zeroed or freed.
         self._seq[b] = pos
@@ -611,6 +647,7 @@ class KVCache:
             self._table[b, :] = NULL_BLOCK
         self._nblk[b] = 0
         self._nshared[b] = 0
+        self._nfrozen[b] = 0
         self._seq[b] = 0
         self._enc[b] = 0
         # spec/slot-cache.md §10.4: a slot's row scales go with it (contiguous rows, cross planes).
@@ -643,6 +680,7 @@ class KVCache:
         self._enc[:] = 0
         self._nblk[:] = 0
         self._nshared[:] = 0
+        self._nfrozen[:] = 0
         if self._paged:
             self._table[...] = NULL_BLOCK
             self._pool.reset()
@@ -746,7 +784,10 @@ class KVCache:
     def prepare_step(self, cu_seqlens_q, past_len, slot_ids) -> StepIndices:
         """Validate a step, reserve its blocks (paged, all or nothing) and return its indices.
 
-        Does **not** advance ``seq_lens()``; commit with ``update_position``.
+        Does **not** advance ``seq_lens()``; commit with ``update_position``. Rows of
+        different lengths are packed (varlen), so a batch needs no pad tokens: give each
+        row its own query length, and pads take no position and no block
+        (spec/slot-cache.md §13).
 
         Parameters
         ----------
@@ -884,7 +925,8 @@ class KVCache:
         return block_hashes(tokens, cfg.block_size, cfg.hash_algo, hash_seed=cfg.hash_seed, num_blocks=n_blocks)
 
     def admit(self, batch_idx: int, prompt_ids, addressable_len: int = -1, *,
-              retention_priority: int = _retention.DEFAULT_PRIORITY, retention_seconds: float | None = None) -> int:
+              retention_priority: int = _retention.DEFAULT_PRIORITY, retention_seconds: float | None = None,
+              pad_token_id: int | None = None, attention_mask=None) -> int:
         """Paged: adopt the longest cached prefix of ``prompt_ids`` into an empty slot.
 
         Hit = the longest run of leading full blocks whose chained hash is
@@ -906,11 +948,19 @@ class KVCache:
             ``0 .. 100`` (35): claim merged into the adopted blocks (spec/slot-cache.md §4.5).
         retention_seconds : float or None, keyword-only
             Time-to-live of the claim from this call (``None``: until evicted).
+        pad_token_id : int or None, keyword-only
+            Left padding (spec/slot-cache.md §13): the leading run of this id is not part of
+            the prompt; the hit is over the tokens after it, and ``addressable_len`` counts them.
+        attention_mask : int or bool [N] or None, keyword-only
+            transformers' mask (1 = token, 0 = pad): only the tokens under a 1 are the prompt.
+            At most one of ``pad_token_id`` and ``attention_mask``.
 
         Returns
         -------
         int
-            The hit, a multiple of ``block_size``; also the new ``seq_lens()[b]``.
+            The hit, a multiple of ``block_size``; also the new ``seq_lens()[b]``. It counts
+            prompt tokens without pads: the step that follows computes ``prompt[hit:]`` of the
+            unpadded prompt, so pads take no position and no block.
 
         Raises
         ------
@@ -921,7 +971,8 @@ class KVCache:
         TypeError
             Non-integer arguments.
         ValueError
-            Slot not empty, empty prompt, ``addressable_len < -1``. State is unchanged.
+            Slot not empty, empty prompt (also once pads are removed), ``addressable_len < -1``,
+            both or a malformed ``pad_token_id`` / ``attention_mask``. State is unchanged.
         """
         api = "admit"
         self._require_paged(api)
@@ -930,6 +981,10 @@ class KVCache:
         addr = _check_scalar(api, "addressable_len", addressable_len)
         if tokens.shape[0] == 0:
             raise ValueError(f"{api}: len(prompt_ids)=0, must be >= 1")
+        n_in = tokens.shape[0]
+        tokens = _strip_pads(api, "prompt_ids", tokens, pad_token_id, attention_mask)  # spec/slot-cache.md §13
+        if tokens.shape[0] == 0:
+            raise ValueError(f"{api}: prompt_ids holds {n_in} pads and no token, must hold >= 1 token")
         if addr < -1:
             raise ValueError(f"{api}: addressable_len={addr} < -1 (-1 means len(prompt_ids)-1)")
         prio = _retention.check_priority(api, retention_priority)  # spec/slot-cache.md §4.5
@@ -965,6 +1020,7 @@ class KVCache:
                 self._admit_hits(b, hits, prio, expiry)
         self._nblk[b] = len(hits)
         self._nshared[b] = len(hits)
+        self._nfrozen[b] = len(hits)
         self._seq[b] = len(hits) * P
         self._write_sets.pop(b)
         self._spec_checkpoints.pop(b, None)  # spec/slot-cache.md §11: admit starts a new sequence
@@ -986,7 +1042,8 @@ class KVCache:
         self._engine.restore_rows(self._slabs, b, saved)
 
     def retire(self, batch_idx: int, full_token_ids, addressable_len: int = -1, *,
-               retention_priority: int = _retention.DEFAULT_PRIORITY, retention_seconds: float | None = None) -> None:
+               retention_priority: int = _retention.DEFAULT_PRIORITY, retention_seconds: float | None = None,
+               pad_token_id: int | None = None, attention_mask=None) -> None:
         """Paged: publish a finished slot's full blocks for reuse, then free it like ``evict_batch``.
 
         ``a = min(len(full_token_ids), seq_lens()[b])`` (or ``addressable_len``).
@@ -1009,6 +1066,13 @@ class KVCache:
             before it is freed (spec/slot-cache.md §4.5).
         retention_seconds : float or None, keyword-only
             Time-to-live of the claim from this call (``None``: until evicted).
+        pad_token_id : int or None, keyword-only
+            Left padding (spec/slot-cache.md §13): the leading run of this id is removed from
+            ``full_token_ids`` before anything is hashed or published; ``addressable_len``
+            counts the tokens after it.
+        attention_mask : int or bool [N] or None, keyword-only
+            transformers' mask (1 = token, 0 = pad): only the tokens under a 1 are published.
+            At most one of ``pad_token_id`` and ``attention_mask``.
 
         Raises
         ------
@@ -1019,13 +1083,15 @@ class KVCache:
         TypeError
             Non-integer arguments.
         ValueError
-            ``addressable_len`` out of bounds, or ``full_token_ids`` disagree
-            with an adopted block that would be published. State is unchanged.
+            ``addressable_len`` out of bounds, ``full_token_ids`` disagree
+            with an adopted block that would be published, or both or a malformed
+            ``pad_token_id`` / ``attention_mask``. State is unchanged.
         """
         api = "retire"
         self._require_paged(api)
         b = _check_index(api, "batch_idx", batch_idx, self._config.max_seqs)
         tokens = _token_vector(api, "full_token_ids", full_token_ids)
+        tokens = _strip_pads(api, "full_token_ids", tokens, pad_token_id, attention_mask)  # spec/slot-cache.md §13
         addr = _check_scalar(api, "addressable_len", addressable_len)
         seq = int(self._seq[b])
         n = tokens.shape[0]
@@ -1040,14 +1106,18 @@ class KVCache:
         a = min(n, seq) if addr == -1 else addr
         P = self._config.block_size
         n_pub = a // P if self._config.enable_prefix_caching else 0
-        for col in range(min(int(self._nshared[b]), n_pub)):
+        for col in range(min(int(self._nfrozen[b]), n_pub)):
             # spec/slot-cache.md §2.11: the adopted prefix is fixed; tokens that contradict it would publish a false chain.
+            # spec/slot-cache.md §12: so is a block a fork shared, once the other slot's retire published it.
             stored = self._pool.block_tokens[int(self._table[b, col])]
+            if stored is None:
+                continue  # a fork-shared block nobody published yet (adopted blocks are always published)
             mine = tokens[col * P : (col + 1) * P]
             diff = np.flatnonzero(stored != mine)
             if diff.size:
                 j = col * P + int(diff[0])
-                raise ValueError(f"{api}: full_token_ids[{j}]={mine[diff[0]]} but adopted block {col} holds {stored[diff[0]]}")
+                what = "adopted" if col < self._nshared[b] else "fork-shared"
+                raise ValueError(f"{api}: full_token_ids[{j}]={mine[diff[0]]} but {what} block {col} holds {stored[diff[0]]}")
         hashes = self._chain(tokens, n_pub)
         # spec/manager.md §14.7: the clock is read (and its reading checked) before any change, once:
         # the claim's expiry and the pool's readings while the slot is released are that instant
@@ -1075,6 +1145,109 @@ class KVCache:
             self._pool.set_retention(self._table[b, : int(self._nblk[b])].tolist(), prio, expiry)
             self._release(b)
 
+    # ------------------------------------------------------------------ fork (spec/slot-cache.md §12)
+
+    def fork(self, src_batch_idx: int, dst_batch_idx: int) -> None:
+        """Copy-on-write fork: the empty slot ``dst_batch_idx`` becomes a copy of ``src_batch_idx``.
+
+        For beam search and ``n > 1`` sampling (vLLM's ``fork`` of a sequence,
+        SGLang's radix sharing): afterwards both slots hold the same history
+        (``seq_lens()`` equal, the same K/V as read by ``gather_kv`` and
+        ``varlen_attention``, the same state slabs, cross planes and encoder
+        length) and each grows on its own. Paged: the destination's block table
+        shares the source's **full** blocks (one more reference each, nothing
+        copied) and gets a fresh copy of the partial last block (bytes and, on
+        an FP8 cache, scales); shared blocks are never written again by either
+        slot, because a step only writes at ``seq_lens()`` and beyond and
+        ``update_position`` refuses to roll either slot back into them.
+        Contiguous: the slot's rows are copied. The destination has no
+        speculation checkpoint (spec/slot-cache.md §11); the source keeps its own.
+
+        Parameters
+        ----------
+        src_batch_idx : int
+            The slot to fork, ``0 <= src_batch_idx < max_seqs`` (it may be empty).
+        dst_batch_idx : int
+            Another slot, empty (``seq_lens()[dst] == 0`` and no blocks held, as
+            for :meth:`admit`).
+
+        Raises
+        ------
+        TypeError
+            A non-int index (bools refused).
+        IndexError
+            An index out of range.
+        ValueError
+            ``dst_batch_idx == src_batch_idx``, or the destination is not empty.
+        CapacityError
+            Paged: no free or evictable block for the copied partial block(s).
+            Every raise leaves the cache unchanged.
+
+        Examples
+        --------
+        >>> from kvspec import KVCacheConfig, KVCacheMode, KVLayerSpec
+        >>> cfg = KVCacheConfig(num_layers=1, max_seqs=2, max_seq_len=16,
+        ...                     mode=KVCacheMode.PAGED, block_size=4)
+        >>> cache = KVCache.make(cfg, [KVLayerSpec.attention(kv_heads=1, head_dim=2)])
+        >>> _ = cache.prepare_step([0, 6], [0], [0]); cache.update_position(0, 6)
+        >>> cache.fork(0, 1)
+        >>> cache.paged_block_table()[:, :2].tolist()   # block 1 shared, block 2 copied into 3
+        [[1, 2], [1, 3]]
+        """
+        api = "fork"
+        S = self._config.max_seqs
+        src = _check_index(api, "src_batch_idx", src_batch_idx, S)
+        dst = _check_index(api, "dst_batch_idx", dst_batch_idx, S)
+        if dst == src:
+            raise ValueError(f"{api}: dst_batch_idx={dst} == src_batch_idx={src}, must be another slot")
+        if self._seq[dst] != 0 or self._nblk[dst] != 0:
+            raise ValueError(f"{api}: dst_batch_idx={dst} holds seq_len={int(self._seq[dst])} and "
+                             f"{int(self._nblk[dst])} blocks, must be empty")
+        seq = int(self._seq[src])
+        engine = self._engine
+        if self._paged:
+            P = self._config.block_size
+            # spec/slot-cache.md §12: the full blocks below the source's floor are shared. The floor is
+            # seq_len, or the source's speculation checkpoint when it lies lower (restore_state may move
+            # the source back there, and the blocks above it will be rewritten).
+            floor = seq
+            got = self._spec_checkpoints.get(src)
+            if got is not None:
+                floor = min(floor, got[0])
+            k = floor // P
+            n = -(-seq // P)
+            copies = n - k
+            free = self._pool.num_free
+            if copies > free:
+                raise CapacityError(f"{api}: needs {copies} blocks, {free} free or evictable")
+            # ---- commit (nothing below can fail)
+            shared = self._table[src, :k].tolist()
+            for col, blk in enumerate(shared):
+                self._pool.touch(blk)
+                self._table[dst, col] = blk
+            self._nblk[dst] = k
+            if copies:
+                self._grow(api, np.array([dst], np.int64), np.array([copies], np.int64), copies)
+                old = self._table[src, k:n].tolist()
+                new = self._table[dst, k:n].tolist()
+                paged_kv = [a for l, sp in enumerate(self._specs) if sp.kind in _ATTN_KINDS for a in self._kv[l]]
+                for o, d in zip(old, new):
+                    engine.restore_rows(paged_kv + self._block_scales, d,
+                                        engine.save_rows(paged_kv + self._block_scales, o))
+            self._nshared[dst] = self._nshared[src]
+            self._nfrozen[dst] = k
+            self._nfrozen[src] = max(int(self._nfrozen[src]), k)
+            rows = self._cross_planes + self._slabs + self._slot_scales
+        else:
+            rows = [a for l, sp in enumerate(self._specs) if sp.kind in _ATTN_KINDS for a in self._kv[l]]
+            rows += self._cross_planes + self._slabs + self._slot_scales
+        if rows:
+            engine.restore_rows(rows, dst, engine.save_rows(rows, src))
+        self._seq[dst] = seq
+        self._enc[dst] = self._enc[src]
+        self._write_sets.pop(dst)
+        self._spec_checkpoints.pop(dst, None)
+
     # ------------------------------------------------------------------ invariants
 
     def check_invariants(self) -> None:
@@ -1096,12 +1269,15 @@ class KVCache:
             assert 0 <= seq <= cap, f"{p}: seq_lens()[{s}]={seq} outside [0, capacity={cap}]"
             assert 0 <= self._nshared[s] <= self._nblk[s], f"{p}: slot {s} nshared={self._nshared[s]} > nblk={self._nblk[s]}"
             assert self._nshared[s] * P <= seq, f"{p}: seq_lens()[{s}]={seq} < shared prefix={self._nshared[s] * P}"
+            assert self._nshared[s] <= self._nfrozen[s] <= self._nblk[s] and self._nfrozen[s] * P <= seq, (
+                f"{p}: slot {s} nfrozen={self._nfrozen[s]} outside [nshared={self._nshared[s]}, "
+                f"min(nblk={self._nblk[s]}, seq_lens()[{s}]//{P})] (spec/slot-cache.md §12)")
         for l, spec in enumerate(self._specs):
             if spec.kind is LayerKind.CROSS_ATTENTION:
                 for s in range(S):
                     assert 0 <= self._enc[s] <= spec.max_enc_len, f"{p}: enc_len[{s}]={self._enc[s]} > max_enc_len={spec.max_enc_len} of layer {l}"
         for s, (pos, _) in self._spec_checkpoints.items():
-            lo, cap = int(self._nshared[s]) * P, self._capacity(s)
+            lo, cap = int(self._nfrozen[s]) * P, self._capacity(s)
             assert lo <= pos <= cap, f"{p}: slot {s} state checkpoint at {pos} outside [{lo}, capacity={cap}]"
         for l, pair in self._scales.items():
             for sc in pair:
@@ -1146,7 +1322,7 @@ class KVCache:
         for h in self._checkpoints:
             assert h in pool.hash_to_block, f"{p}: state checkpoint {h.hex()[:12]} has no published block"
         for s, blocks in self._write_sets.items():  # the engine's tracker (spec/slot-cache.md §6.7)
-            shared = {int(x) for x in self._table[s, : int(self._nshared[s])]}
+            shared = {int(x) for x in self._table[s, : int(self._nfrozen[s])]}
             for blk in blocks:
                 assert blk not in shared and not pool.is_published(blk) and pool.ref_count[blk] == 1, (
                     f"{p}: block {blk} in slot {s}'s write set is shared (ref_count={pool.ref_count[blk]}, "

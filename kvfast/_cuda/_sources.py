@@ -17,6 +17,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "copy_blocks.cu": ("copy_blocks_kernel",),
     "stage.cu": ("stage_gather_kernel", "stage_scatter_kernel"),
     "state.cu": ("state_copy_kernel", "state_zero_kernel"),
+    "paged_attention.cu": ("paged_append_kernel", "paged_attention_kernel"),
 }
 
 #: Element size in bytes -> entry-point suffix (kernels copy bit patterns).

@@ -8,6 +8,13 @@ bfloat16 tensor's 16-bit words come through DLPack and are reinterpreted as
 ``detach()`` (the ops never differentiate). :func:`int64_from_ints` converts
 the commonest input of all, a list of Python ints (token ids, step vectors),
 without NumPy's per-element type discovery.
+
+The other direction, for the ops' "torch in, torch out" rule
+(``spec/slot-cache.md`` §7.4): :func:`is_torch` tells a tensor without importing
+torch, :func:`to_torch` gives a tensor sharing an array's memory (NumPy through
+``torch.from_numpy``, a device array through DLPack; bfloat16 and FP8 as their
+bit patterns reinterpreted in torch), and :func:`widen_fp8` turns an FP8 input
+into exact float32 values.
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ import struct
 
 import numpy as np
 
-__all__ = ["host_array", "int64_from_ints", "is_torch_bfloat16"]
+__all__ = ["host_array", "int64_from_ints", "is_torch", "is_torch_bfloat16", "to_torch", "widen_fp8",
+           "torch_dtype_name"]
 
 #: ``struct.Struct("=<n>q")`` by ``n``, for :func:`int64_from_ints` (at most 256 kept).
 _INT64_PACKERS: dict[int, struct.Struct] = {}
@@ -54,6 +62,73 @@ def is_torch_bfloat16(x) -> bool:
     return type(x).__module__.startswith("torch") and str(getattr(x, "dtype", "")) == "torch.bfloat16"
 
 
+#: torch's FP8 dtypes (as ``str(tensor.dtype)``) -> the ml_dtypes name NumPy arrays of them carry.
+_TORCH_FP8 = {"torch.float8_e4m3fn": "float8_e4m3fn", "torch.float8_e5m2": "float8_e5m2"}
+
+
+def is_torch(x) -> bool:
+    """Whether ``x`` is a ``torch.Tensor`` (checked without importing torch)."""
+    return type(x).__module__.startswith("torch") and hasattr(x, "detach") and hasattr(x, "dtype")
+
+
+def torch_dtype_name(x) -> str:
+    """``"bfloat16"`` for a ``torch.bfloat16`` tensor (``str(dtype)`` without ``torch.``)."""
+    return str(x.dtype).removeprefix("torch.")
+
+
+def widen_fp8(x):
+    """``x`` itself, or its exact float32 values when it holds FP8 (``ml_dtypes`` float8 types).
+
+    Every float8_e4m3fn and float8_e5m2 value is a float32 value, so the widening rounds
+    nothing; it is a copy (the only one an FP8 input costs).
+    """
+    name = getattr(getattr(x, "dtype", None), "name", "")
+    if name in ("float8_e4m3fn", "float8_e5m2"):
+        return x.astype(np.float32)
+    return x
+
+
+def to_torch(x, logical: str | None = None, device=None):
+    """A ``torch.Tensor`` sharing ``x``'s memory (no copy), on ``device`` when given.
+
+    Parameters
+    ----------
+    x : numpy.ndarray or a DLPack exporter (a CuPy array)
+        Any dtype torch has, plus ``ml_dtypes`` bfloat16 / float8 (their bit patterns,
+        reinterpreted: ``tensor.view(torch.bfloat16)``).
+    logical : str, optional
+        The dtype ``x``'s bits stand for when the array itself cannot say so: ``"bfloat16"``
+        for CuPy's ``uint16`` bfloat16 storage, ``"float8_e4m3fn"`` / ``"float8_e5m2"`` for
+        ``uint8`` FP8 storage.
+    device : torch.device or str, optional
+        Where the result must live; a tensor elsewhere is copied there (the only copy).
+
+    Returns
+    -------
+    torch.Tensor
+        Same shape and strides as ``x`` (before any move to ``device``).
+    """
+    import torch
+
+    name = getattr(x.dtype, "name", str(x.dtype))
+    if isinstance(x, np.ndarray):
+        if name == "bfloat16":
+            t = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+        elif name in ("float8_e4m3fn", "float8_e5m2"):
+            t = torch.from_numpy(x.view(np.uint8)).view(getattr(torch, name))
+        else:
+            t = torch.from_numpy(x)
+    else:
+        t = torch.from_dlpack(x)
+    if logical == "bfloat16" and t.dtype in (torch.uint16, torch.int16):
+        t = t.view(torch.bfloat16)
+    elif logical in ("float8_e4m3fn", "float8_e5m2") and t.dtype in (torch.uint8, torch.int8):
+        t = t.view(getattr(torch, logical))
+    if device is not None and t.device != torch.device(device):
+        t = t.to(device)
+    return t
+
+
 def host_array(x) -> np.ndarray:
     """``x`` as a NumPy array, sharing memory where ``x`` is already host memory.
 
@@ -61,8 +136,8 @@ def host_array(x) -> np.ndarray:
     ----------
     x : array-like
         A NumPy array (returned as is), a CPU torch tensor (any dtype,
-        bfloat16 included: ``ml_dtypes.bfloat16``), or anything ``numpy.asarray``
-        takes.
+        bfloat16 included: ``ml_dtypes.bfloat16``; FP8 as ``ml_dtypes`` float8),
+        or anything ``numpy.asarray`` takes.
 
     Returns
     -------
@@ -77,12 +152,15 @@ def host_array(x) -> np.ndarray:
         return x
     if type(x).__module__.startswith("torch") and hasattr(x, "detach"):
         t = x.detach()
-        if is_torch_bfloat16(t):
+        fp8 = _TORCH_FP8.get(str(t.dtype))
+        if is_torch_bfloat16(t) or fp8:
             import ml_dtypes
             import torch
 
             if t.device.type != "cpu":
                 raise TypeError(f"host_array: a {t.device.type} tensor is not host memory; use its device's cache")
+            if fp8:
+                return np.from_dlpack(t.view(torch.uint8)).view(getattr(ml_dtypes, fp8))
             return np.from_dlpack(t.view(torch.int16)).view(ml_dtypes.bfloat16)
         x = t
     return np.asarray(x)

@@ -1,0 +1,96 @@
+"""Launchers of ``paged_append_kernel`` and ``paged_attention_kernel`` (``kernels/paged_attention.cu``).
+
+The manager's ops on CUDA (spec/manager.md §18): the lookup table, the cache lengths and the
+row offsets are bound as device arrays; the host has checked them (kvref's policy) before
+either kernel runs.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from ._module import cupy, get_kernel, launch_1d_rows
+
+__all__ = ["FILE", "KV_FORMATS", "paged_append", "paged_attention"]
+
+#: The kernel file and its entry points.
+FILE = "paged_attention.cu"
+
+#: ``kv_format`` of the kernels by the buffer's logical dtype.
+KV_FORMATS = {"float32": 0, "float16": 1, "bfloat16": 2, "float8_e4m3fn": 3, "float8_e5m2": 4}
+
+
+def _strides(kv) -> tuple[int, ...]:
+    it = kv.dtype.itemsize
+    return tuple(int(s) // it for s in kv.strides)
+
+
+def _tables(lut, lengths, row_offsets):
+    """The index arrays as the kernels take them: contiguous device ``uint32``, ``uint32``, ``int64``."""
+    cp = cupy()
+    return (cp.ascontiguousarray(cp.asarray(lut), dtype=cp.uint32),
+            cp.ascontiguousarray(cp.asarray(lengths), dtype=cp.uint32),
+            cp.ascontiguousarray(cp.asarray(row_offsets), dtype=cp.int64))
+
+
+def paged_append(key, value, kv, layer: int, lut, lengths, row_offsets) -> None:
+    """``kv[page, 0/1, layer, p % page_size] = key[t] / value[t]`` for every token on a real page.
+
+    Parameters
+    ----------
+    key, value : cupy.ndarray [T, kv_heads, head_dim]
+        In ``kv``'s dtype; each row's ``kv_heads * head_dim`` elements contiguous (rows may be strided).
+    kv : cupy.ndarray [num_blocks, 2, num_layers, page_size, kv_heads, head_dim]
+        Any strides.
+    layer : int
+    lut : uint32 [B, cols]; lengths : uint32 [B]; row_offsets : int64 [B + 1]
+        Host or device arrays, already checked.
+    """
+    cp = cupy()
+    t = int(key.shape[0])
+    if t == 0:
+        return
+    if key.dtype != kv.dtype or value.dtype != kv.dtype:
+        raise ValueError(f"paged_append: key dtype={key.dtype}, value dtype={value.dtype} != kv dtype={kv.dtype}")
+    it = kv.dtype.itemsize
+    lut, lengths, row_offsets = _tables(lut, lengths, row_offsets)
+    H, D = int(kv.shape[4]), int(kv.shape[5])
+    kern = get_kernel(FILE, "paged_append_kernel", it, kv.device.id)
+    threads = launch_1d_rows(H * D * it)
+    kern((t,), (threads,),
+         (key, value, kv, lut, lengths, row_offsets, cp.int64(t), cp.int64(lengths.shape[0]),
+          cp.int64(lut.shape[1]), cp.int64(layer), cp.int64(H), cp.int64(D), cp.int64(kv.shape[3]),
+          cp.int64(key.strides[0] // it), cp.int64(value.strides[0] // it), *map(cp.int64, _strides(kv))))
+
+
+def paged_attention(q, kv, layer: int, lut, lengths, row_offsets, *, window: int, scale: float, kv_format: int):
+    """float32 ``[T, q_heads, head_dim]``: the attention of ``q`` through ``kv`` (spec/manager.md §18.4).
+
+    Parameters
+    ----------
+    q : cupy.ndarray float32 [T, q_heads, head_dim]
+    kv : cupy.ndarray [num_blocks, 2, num_layers, page_size, kv_heads, head_dim]
+        float32 (``uint32`` words are not accepted: pass the float32 array), float16, or ``uint16``
+        bfloat16 bits; ``kv_format`` says which (:data:`KV_FORMATS`).
+    window : int
+        0 for full attention.
+    scale : float
+        The score scale (passed to the kernel as its float32 bits).
+    """
+    cp = cupy()
+    q = cp.ascontiguousarray(q, dtype=cp.float32)
+    T, Hq, D = (int(n) for n in q.shape)
+    out = cp.zeros((T, Hq, D), cp.float32)
+    if T == 0:
+        return out
+    lut, lengths, row_offsets = _tables(lut, lengths, row_offsets)
+    kern = get_kernel(FILE, "paged_attention_kernel", kv.dtype.itemsize, kv.device.id)
+    threads = int(min(128, -(-Hq // 32) * 32))
+    bits = struct.unpack("<I", struct.pack("<f", np.float32(scale)))[0]
+    kern((T,), (threads,),
+         (q, kv, lut, lengths, row_offsets, out, cp.int64(T), cp.int64(lengths.shape[0]), cp.int64(lut.shape[1]),
+          cp.int64(layer), cp.int64(Hq), cp.int64(kv.shape[4]), cp.int64(D), cp.int64(kv.shape[3]),
+          cp.int64(window), cp.int64(kv_format), cp.int64(bits), *map(cp.int64, _strides(kv))))
+    return out

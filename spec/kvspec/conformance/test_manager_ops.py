@@ -1,0 +1,113 @@
+"""Conformance of the manager's ops (spec/manager.md §18): ``ops.append_kv_paged`` and
+``ops.paged_attention`` of the backend, on the backend's manager, against kvref's ops on kvref's.
+
+The backend's ``ops`` must provide both functions (a backend without them skips, naming what is
+missing). K/V and queries are host NumPy arrays on every device (spec/conformance.md); pages are
+compared through each side's lookup table (block ids may differ without ``strict_block_ids``),
+attention within rtol 1e-5 / atol 1e-6 (float32 sums in another order).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvspec import KVCacheParams
+from kvspec.conformance._compare import to_numpy
+from kvspec.conformance._harness import ManagerPair
+from kvspec.conformance.plugin import require
+
+H, HQ, D, PAGE = 2, 4, 8, 4
+
+
+def _ops(backend):
+    require(backend, "manager")
+    ops = backend.ops
+    missing = [f for f in ("append_kv_paged", "paged_attention") if not callable(getattr(ops, f, None))]
+    if missing:
+        pytest.skip(f"backend {backend.name} ops has no {', '.join(missing)} (spec/manager.md §18)")
+    return ops
+
+
+def _rows(buffer, inp, lengths, layer: int) -> list[np.ndarray]:
+    """Each row's K/V bytes at positions [0, lengths[b]) read through its lookup table."""
+    buf, lut = to_numpy(buffer), to_numpy(inp.lookup_table).astype(np.int64)
+    out = []
+    for b, n in enumerate(lengths):
+        pos = np.arange(int(n))
+        out.append(buf[lut[b, pos // PAGE], :, layer, pos % PAGE].tobytes())
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_append_and_attention_equal_kvref(kv_backend, kv_oracle, dtype):
+    """spec/manager.md §18.3, §18.4: a prefill of two rows, then two decode steps."""
+    ops = _ops(kv_backend)
+    import kvref
+
+    p = ManagerPair(kv_backend, kv_oracle, KVCacheParams(page_size=PAGE, num_layers=2, kv_heads=H, head_dim=D,
+                                                         dtype=dtype),
+                    num_blocks=16, max_batch_size=4, max_seq_len=32)
+    p.new("a", list(range(7)))
+    p.new("b", [40, 41, 42])
+    for rid in "ab":
+        p.ok(f"manager.claim(ctx_{rid})", lambda m, cs, rid=rid: m.claim(cs[rid]))
+    rng = np.random.default_rng(11)
+    for it in range(3):
+        for rid in "ab":
+            p.ok(f"manager.alloc(ctx_{rid})", lambda m, cs, rid=rid: m.alloc(cs[rid]) and None)
+        ref_in = p.ref.runtime_inputs([[p.ctx_ref[r] for r in "ab"]]).inputs[0]
+        sut_in = p.sut.runtime_inputs([[p.ctx_sut[r] for r in "ab"]]).inputs[0]
+        q_lens = [p.ctx_ref[r].active_length for r in "ab"]
+        off = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
+        T = int(off[-1])
+        k, v = (rng.standard_normal((T, H, D)).astype(np.float32) for _ in range(2))
+        q = rng.standard_normal((T, HQ, D)).astype(np.float32)
+        kvref.ops.append_kv_paged(ref_in.kv_blocks, 1, k, v, ref_in, off)
+        ops.append_kv_paged(sut_in.kv_blocks, 1, k, v, sut_in, off)
+        reach = [p.ctx_ref[r].processed_length + n for r, n in zip("ab", q_lens)]
+        assert _rows(sut_in.kv_blocks, sut_in, reach, 1) == _rows(ref_in.kv_blocks, ref_in, reach, 1), \
+            f"step {it}: append_kv_paged wrote other K/V than kvref (spec/manager.md §18.3)"
+        for window in (None, 3):
+            want = kvref.ops.paged_attention(q, ref_in.kv_blocks, 1, ref_in, off, window=window)
+            got = to_numpy(ops.paged_attention(q, sut_in.kv_blocks, 1, sut_in, off, window=window))
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6,
+                                       err_msg=f"step {it} window={window}: paged_attention (spec/manager.md §18.4)")
+        for rid in "ab":
+            token = int(rng.integers(0, 50))
+            for cs in (p.ctx_ref, p.ctx_sut):
+                cs[rid].update(token)
+            p.ok(f"manager.step(ctx_{rid})", lambda m, cs, rid=rid: m.step(cs[rid]))
+    p.agree()
+
+
+def test_refused_calls_write_nothing(kv_backend, kv_oracle):
+    """spec/manager.md §18.2: the checks precede the write; the same error type as kvref's."""
+    ops = _ops(kv_backend)
+    import kvref
+
+    p = ManagerPair(kv_backend, kv_oracle, KVCacheParams(page_size=PAGE, num_layers=1, kv_heads=H, head_dim=D,
+                                                         dtype="float32"),
+                    num_blocks=8, max_batch_size=2, max_seq_len=16)
+    p.new("a", [1, 2, 3, 4, 5])
+    p.ok("manager.claim(ctx_a)", lambda m, cs: m.claim(cs["a"]))
+    p.ok("manager.alloc(ctx_a)", lambda m, cs: m.alloc(cs["a"]) and None)
+    ref_in = p.ref.runtime_inputs([[p.ctx_ref["a"]]]).inputs[0]
+    sut_in = p.sut.runtime_inputs([[p.ctx_sut["a"]]]).inputs[0]
+    k = np.ones((5, H, D), np.float32)
+    before = to_numpy(sut_in.kv_blocks).tobytes()
+    for label, args, exc in [("offsets end past the tokens", (k, k, [0, 6]), ValueError),
+                             ("offsets of another batch", (k, k, [0, 2, 5]), ValueError),
+                             ("heads of a query", (np.ones((5, HQ, D), np.float32),) * 2 + ([0, 5],), ValueError),
+                             ("integer keys", (k.astype(np.int32), k, [0, 5]), TypeError)]:
+        kk, vv, off = args
+        for name, fn, inp in (("kvref", kvref.ops.append_kv_paged, ref_in),
+                              (kv_backend.name, ops.append_kv_paged, sut_in)):
+            with pytest.raises(exc):
+                fn(inp.kv_blocks, 0, kk, vv, inp, np.asarray(off, np.int64))
+        assert to_numpy(sut_in.kv_blocks).tobytes() == before, f"{label}: the refused append wrote"
+    with pytest.raises(IndexError):
+        ops.append_kv_paged(sut_in.kv_blocks, 1, k, k, sut_in, np.array([0, 5], np.int64))
+    with pytest.raises(ValueError):
+        ops.paged_attention(np.ones((5, HQ, D), np.float32), sut_in.kv_blocks, 0, sut_in, np.array([0, 5]), window=0)
+    assert to_numpy(sut_in.kv_blocks).tobytes() == before
