@@ -330,6 +330,11 @@ class ManagerComparison(BackendBound, RuleBasedStateMachine):
 
     def _forward(self, rid: str, data) -> None:
         """Write the active tokens' K/V, ``update`` (or ``advance_chunk``), then ``step``."""
+        self._write_forward(rid, data)
+        self._both(f"manager.step(ctx_{rid})", lambda m, cs: m.step(cs[rid]))
+
+    def _write_forward(self, rid: str, data) -> None:
+        """Write the active tokens' K/V, then ``update`` (or ``advance_chunk``), on both sides."""
         seed = data.draw(st.integers(0, 2**16), label="kv seed")
         token = data.draw(kst.token_ids(), label="token")
         then = "advance_chunk()" if self.ctx_ref[rid].pending_length else f"update({token})"
@@ -341,7 +346,6 @@ class ManagerComparison(BackendBound, RuleBasedStateMachine):
             else:
                 cs[rid].update(token)
         self.allocated.discard(rid)
-        self._both(f"manager.step(ctx_{rid})", lambda m, cs: m.step(cs[rid]))
 
     @rule(data=st.data())
     def release(self, data):
@@ -389,17 +393,7 @@ class ManagerComparison(BackendBound, RuleBasedStateMachine):
         ids = data.draw(st.lists(st.sampled_from(sorted(self.allocated)), min_size=1, max_size=4, unique=True),
                         label="batch")
         for rid in ids:
-            seed = data.draw(st.integers(0, 2**16), label="kv seed")
-            token = data.draw(kst.token_ids(), label="token")
-            then = "advance_chunk()" if self.ctx_ref[rid].pending_length else f"update({token})"
-            record(f"write_forward(manager, ctx_{rid}, {seed}, {self.replica_of[rid]}); ctx_{rid}.{then}")
-            for m, cs in ((self.ref, self.ctx_ref), (self.sut, self.ctx_sut)):
-                write_forward(m, cs[rid], seed, self.replica_of[rid])
-                if cs[rid].pending_length:
-                    cs[rid].advance_chunk()
-                else:
-                    cs[rid].update(token)
-            self.allocated.discard(rid)
+            self._write_forward(rid, data)
         if data.draw(_RARE, label="an odd member"):
             ids = ids + [data.draw(st.sampled_from(sorted(self.ctx_ref)), label="odd member")]
         args = ", ".join(f"ctx_{i}" for i in ids)
