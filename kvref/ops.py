@@ -189,18 +189,23 @@ def _check_heads(api: str, name: str, arr, T: int, heads: int, dim: int, *, mult
         arr = host_array(arr)  # torch tensors too, bfloat16 included (kvspec._interop)
     if arr.dtype.kind != "f" and arr.dtype.name != "bfloat16" and arr.dtype != storage_dtype:
         raise TypeError(f"{api}: {name} dtype={arr.dtype}, must be a floating type")
-    if arr.ndim != 3:
-        raise ValueError(f"{api}: {name}.ndim={arr.ndim}, must be 3 [tokens, heads, head_dim]")
-    if arr.shape[0] != T:
-        raise ValueError(f"{api}: {name}.shape[0]={arr.shape[0]} != step.num_tokens={T}")
-    if arr.shape[2] != dim:
-        raise ValueError(f"{api}: {name}.shape[2]={arr.shape[2]} != head_dim={dim}")
+    return _check_shape(api, name, arr, T, heads, dim, multiple=multiple, tokens="step.num_tokens")
+
+
+def _check_shape(api: str, name: str, x, T: int, heads: int, dim: int, *, multiple: bool, tokens: str):
+    """``x`` is ``[T, heads (or a multiple of them), dim]``; ``ValueError`` naming the axis."""
+    if x.ndim != 3:
+        raise ValueError(f"{api}: {name}.ndim={x.ndim}, must be 3 [tokens, heads, head_dim]")
+    if x.shape[0] != T:
+        raise ValueError(f"{api}: {name}.shape[0]={x.shape[0]} != {tokens}={T}")
+    if x.shape[2] != dim:
+        raise ValueError(f"{api}: {name}.shape[2]={x.shape[2]} != head_dim={dim}")
     if multiple:
-        if arr.shape[1] % heads:
-            raise ValueError(f"{api}: {name}.shape[1]={arr.shape[1]} is not a multiple of kv_heads={heads}")
-    elif arr.shape[1] != heads:
-        raise ValueError(f"{api}: {name}.shape[1]={arr.shape[1]} != kv_heads={heads}")
-    return arr
+        if x.shape[1] % heads:
+            raise ValueError(f"{api}: {name}.shape[1]={x.shape[1]} is not a multiple of kv_heads={heads}")
+    elif x.shape[1] != heads:
+        raise ValueError(f"{api}: {name}.shape[1]={x.shape[1]} != kv_heads={heads}")
+    return x
 
 
 def append_kv(cache, layer: int, k, v, step: StepIndices, *, layout: str = "thd") -> None:
@@ -749,18 +754,7 @@ def _paged_plan(api: str, kv_blocks, layer, inputs, input_row_offsets, T: int, e
 
 def _paged_heads(api: str, name: str, x, T: int, heads: int, dim: int, *, multiple: bool = False):
     """The shape checks of the slot ops' ``_check_heads``, against the manager's layer geometry."""
-    if x.ndim != 3:
-        raise ValueError(f"{api}: {name}.ndim={x.ndim}, must be 3 [tokens, heads, head_dim]")
-    if x.shape[0] != T:
-        raise ValueError(f"{api}: {name}.shape[0]={x.shape[0]} != num_tokens={T}")
-    if x.shape[2] != dim:
-        raise ValueError(f"{api}: {name}.shape[2]={x.shape[2]} != head_dim={dim}")
-    if multiple:
-        if x.shape[1] % heads:
-            raise ValueError(f"{api}: {name}.shape[1]={x.shape[1]} is not a multiple of kv_heads={heads}")
-    elif x.shape[1] != heads:
-        raise ValueError(f"{api}: {name}.shape[1]={x.shape[1]} != kv_heads={heads}")
-    return x
+    return _check_shape(api, name, x, T, heads, dim, multiple=multiple, tokens="num_tokens")
 
 
 def _num_tokens(api: str, name: str, x, layout: str) -> int:
