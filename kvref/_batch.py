@@ -294,22 +294,17 @@ class BatchCalls:
                 if id(load) not in posted:
                     try:
                         load.handle.synchronize()
-                    except Exception:  # noqa: BLE001  (a failed load wrote what it wrote; restored below)
-                        pass
+                    except Exception:  # noqa: BLE001
+                        pass  # a failed load wrote what it wrote: its pages' bytes are put back below
             for store, ids, data in reversed(self._journal):
                 store.write(ids, data)
             vars_.update(saved)
             for c, values in contexts.values():
                 for f, v in zip(_CTX_FIELDS, values):
                     setattr(c, f, v)
-            self._batch_restored()
             raise
         finally:
             self._journal = None
-
-    def _batch_restored(self) -> None:
-        """After a guarded batch put the bookkeeping back: an engine's derived state rebuilt (kvref
-        derives nothing)."""
 
     def _journal_pages(self, store, ids) -> None:
         """Before a guarded batch writes pages ``ids`` of ``store``: their bytes, to put back."""

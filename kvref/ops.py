@@ -125,7 +125,7 @@ def _check_out_dtype(api: str, out_dtype):
         try:
             name = np.dtype(out_dtype).name
         except TypeError:
-            pass
+            pass  # not a NumPy dtype: the name check below refuses it
     if name not in _OUT_DTYPES:
         raise ValueError(f"{api}: out_dtype={out_dtype!r}, must be None, 'float16', 'bfloat16' or 'float32'")
     return name
