@@ -59,7 +59,6 @@ from kvspec._manager_types import (
     TextContext,
 )
 from kvspec.errors import InsufficientBlocksError, insufficient_blocks_message
-from kvspec.retention import held
 
 import kvref
 
@@ -260,7 +259,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                 return False
         elif any(n > pools[lid].num_free for lid, n in demand.items()):
             return False
-        with held(self._clock):  # spec/manager.md §14.7: one reading for every pool drawn from
+        with self._clock_held:  # spec/manager.md §14.7: one reading for every pool drawn from
             for lid, n in demand.items():
                 if n == 1:
                     rows[lid].append(pools[lid].allocate_one())
@@ -292,7 +291,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         if self._offloads and self._completions_moved():
             self._drain()  # spec/manager.md §9.2: finished transfers land before anything is sized
         if not self._single:
-            with held(self._clock):  # spec/manager.md §14.7: one reading for every pool drawn from
+            with self._clock_held:  # spec/manager.md §14.7: one reading for every pool drawn from
                 return self._splice_leaves(req, ctx, defer_lookup)
         leaf_id = self._conn_leaf
         r = req.replica
@@ -532,7 +531,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                     req.step_gen += 1
                     return
             # spec/manager.md §14.7: the clock read (and checked) once, before anything changes
-            with held(self._clock):
+            with self._clock_held:
                 expiry = self._claim_expiry(ctx) if self._state_ids or self._windows else None
                 # spec/manager.md §5.1 to spec/manager.md §5.3, in that order: the commit in every paged
                 # leaf, the checkpoint, the slide (the policy's step for a settled request)
@@ -700,7 +699,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             return
         # spec/manager.md §14.7: the clock is read (and its reading checked) before anything changes,
         # once: every pool the request lets go in sees that instant
-        with held(self._clock):
+        with self._clock_held:
             expiry = self._claim_expiry(req.ctx)
             del self._requests[req.ctx.request_id]
             if req.load is not None:

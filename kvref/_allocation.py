@@ -17,7 +17,6 @@ from kvspec._manager_types import (
     TextContext,
 )
 from kvspec.engine import NULL_BLOCK
-from kvspec.retention import held
 from kvspec.errors import InsufficientBlocksError, KVLoadFailed, KVLoadRefused, insufficient_blocks_message
 
 from ._leaves import Leaf
@@ -81,7 +80,7 @@ class Allocation:
             if self._loads or self._offloads:
                 self._drain()
             try:
-                with held(self._clock):  # spec/manager.md §14.7: one reading for every pool drawn from
+                with self._clock_held:  # spec/manager.md §14.7: one reading for every pool drawn from
                     return self._grow(req, ctx)
             except _AwaitOffloads as wait:
                 self._settle_offloads(wait)
@@ -109,7 +108,7 @@ class Allocation:
         except _AwaitOffloads as wait:
             self._settle_offloads(wait)
             return self.alloc(ctx, defer_lookup=defer_lookup)  # spec/manager.md §4 step 6: sized again
-        with held(self._clock):  # spec/manager.md §14.7: read and checked once, before the commit
+        with self._clock_held:  # spec/manager.md §14.7: read and checked once, before the commit
             return self._commit_alloc(req, ctx, plan)  # nothing below can fail
 
     def _grow(self, req: _Request, ctx: TextContext) -> KVTransfer:

@@ -26,7 +26,6 @@ from typing import Sequence
 import numpy as np
 
 from kvspec._manager_types import KVTransfer, TextContext
-from kvspec.retention import held
 
 from ._request import _Request
 
@@ -118,7 +117,7 @@ class BatchCalls:
                     f"step: processed_length={ctx.processed_length} > {cap} tokens in the allocated rows; "
                     "alloc must be called before the forward"
                 )
-        with held(self._clock):  # spec/manager.md §17.1: one clock reading, checked before any change
+        with self._clock_held:  # spec/manager.md §17.1: one clock reading, checked before any change
             if guarded:
                 self._guarded(ctxs, lambda: self._step_each(ctxs))
             else:
@@ -152,7 +151,7 @@ class BatchCalls:
             self._find_req("release", ctx, allow_id=True)
             seen.add(rid)
         release = self.release
-        with held(self._clock):  # spec/manager.md §17.1: one clock reading, checked before any change
+        with self._clock_held:  # spec/manager.md §17.1: one clock reading, checked before any change
             for ctx in ctxs:
                 release(ctx)
 

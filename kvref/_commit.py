@@ -13,7 +13,7 @@ import numpy as np
 
 from kvspec._manager_types import TextContext
 from kvspec.engine import NULL_BLOCK
-from kvspec.retention import NEVER, expiry_of, held
+from kvspec.retention import NEVER, expiry_of
 
 from ._request import _Request
 
@@ -60,7 +60,7 @@ class Commit:
         if self._recurrent_leaves or self._sliding_leaves:
             # spec/manager.md §14.7: a checkpoint or slide lets pages go under the request's claim;
             # the clock is read (and checked) once, before the step changes anything
-            with held(self._clock):
+            with self._clock_held:
                 self._step_settled(req, ctx, settled, self._claim_expiry(ctx))
         else:
             self._step_settled(req, ctx, settled, None)

@@ -249,6 +249,8 @@ class PagedKVCacheManager(PrefixHits, Allocation, Commit, Transfers, RuntimeInpu
             [dict(slab.pools) for slab in self._slabs] if self._slabs else
             [{leaf.leaf_id: engine.block_pool(num_blocks) for leaf in leaves} for _ in range(self._dp)])
         self._clock = clock
+        #: ``with self._clock_held:`` reads a user's clock once for a call (spec/manager.md §14.7), decided here
+        self._clock_held = held(clock)
         self._lut_as = _LUT_DTYPES[lookup_table_dtype]  # spec/manager.md §8: the tables' dtype, decided here
         for pools in self._pools:
             for pool in pools.values():
@@ -584,7 +586,7 @@ class PagedKVCacheManager(PrefixHits, Allocation, Commit, Transfers, RuntimeInpu
             return
         # spec/manager.md §14.7: the clock is read (and its reading checked) before anything changes,
         # once: every pool the request lets go in sees that instant
-        with held(self._clock):
+        with self._clock_held:
             expiry = self._claim_expiry(req.ctx)
             del self._requests[req.ctx.request_id]
             if req.load is not None:
@@ -724,7 +726,7 @@ class PagedKVCacheManager(PrefixHits, Allocation, Commit, Transfers, RuntimeInpu
                     raise InsufficientBlocksError(
                         insufficient_blocks_message(op, child_ctx.request_id, n, lid, pools[lid].num_free, r))
         # ---- commit (nothing below can fail); spec/manager.md §14.7: one clock reading for every draw
-        with held(self._clock):
+        with self._clock_held:
             rows: dict[str, list[int]] = {}
             for leaf in self._leaves:
                 lid = leaf.leaf_id
