@@ -79,10 +79,14 @@ class BatchCalls:
         if self._loads or self._offloads:
             self._drain()  # spec/manager.md §17.2: as the first alloc of the loop; not undone
             growth = None  # (a load may have landed or failed: the exact look below)
-        if (growth is not None and self._growth_fits(growth)) or self._alloc_cannot_fail(ctxs, reqs):
-            alloc = self.alloc
+        alloc = self.alloc
+
+        def run() -> list[KVTransfer]:
             return [alloc(ctx, defer_lookup=defer_lookup) for ctx in ctxs]
-        return self._guarded(ctxs, lambda: [self.alloc(c, defer_lookup=defer_lookup) for c in ctxs])
+
+        if (growth is not None and self._growth_fits(growth)) or self._alloc_cannot_fail(ctxs, reqs):
+            return run()  # it cannot fail: no copy
+        return self._guarded(ctxs, run)
 
     def step_many(self, ctxs: Sequence[TextContext]) -> None:
         """``for ctx in ctxs: step(ctx)``, all or nothing (spec/manager.md §17).
@@ -107,7 +111,7 @@ class BatchCalls:
                 req = self._find_req("step", ctx)
                 guarded = True  # an adoption, or a load of its own polled by the step
             rows = req.rows
-            if ctx._processed <= len(rows[anchor or paged[0]]) * page and anchor is not None:
+            if anchor is not None and ctx._processed <= len(rows[anchor]) * page:
                 continue  # the rows cover the forward (one paged leaf: its row)
             if not req.settled and req.dummy:
                 continue
@@ -163,12 +167,13 @@ class BatchCalls:
             raise TypeError(f"{op}: ctxs={ctxs!r}, must be a sequence of TextContext")
         return ctxs if type(ctxs) is list else list(ctxs)
 
-    def _batch_check_alloc(self, ctxs: list, defer_lookup) -> list[_Request]:
+    def _batch_check_alloc(self, ctxs: list, defer_lookup) -> tuple[list[_Request], list[int] | None]:
         """Every argument check of ``alloc`` for every context, in the loop's order (each depends
         only on the state before the batch: an earlier alloc of the batch cannot make a later one's
         arguments wrong, spec/manager.md §17.2). A claimed context of its own record, within
         ``max_seq_len``, without drafts and not rewinding passes in one look; any other goes
-        through ``alloc``'s own checks, which raise its error."""
+        through ``alloc``'s own checks, which raise its error. Returns the records and the quick
+        growth bound per replica (None: the exact look of ``_alloc_cannot_fail`` decides)."""
         op = "alloc"
         self._check_open(op)
         if not isinstance(defer_lookup, bool):

@@ -125,14 +125,12 @@ class Commit:
         read, checked, taken before the caller changes anything."""
         return expiry_of(ctx._retention_seconds, self._clock) if self._caching else NEVER
 
-    def _let_go(self, pool, pages, ctx: TextContext, expiry: float | None = None) -> None:
+    def _let_go(self, pool, pages, ctx: TextContext, expiry: float) -> None:
         """The request lets go of ``pages`` (in the order given): its retention claim merged into
         the published ones (spec/manager.md §14.2), then its references dropped (spec/manager.md §6); one engine
-        call (``retain_free``). ``expiry``: the claim's, read by the caller before its first change
-        (None: read here, for a caller whose first change this is)."""
+        call (``retain_free``). ``expiry``: the claim's (``_claim_expiry``), read by the caller before
+        its first change."""
         if self._caching and len(pages):
-            if expiry is None:
-                expiry = expiry_of(ctx._retention_seconds, self._clock)
             pool.retain_free(pages, ctx._retention_priority, expiry)
         else:
             pool.free(pages)
@@ -163,7 +161,7 @@ class Commit:
             pool.free([b])
         return canon
 
-    def _checkpoint(self, req: _Request, ctx: TextContext, expiry: float | None = None) -> None:
+    def _checkpoint(self, req: _Request, ctx: TextContext, expiry: float) -> None:
         p = ctx.processed_length
         if not self._caching or p == 0 or p % self._page:
             return
@@ -183,7 +181,7 @@ class Commit:
             self._let_go(pool, [live], ctx, expiry)  # spec/manager.md §14.2
             req.rows[leaf.leaf_id] = [succ]
 
-    def _slide(self, req: _Request, ctx: TextContext, expiry: float | None = None) -> None:
+    def _slide(self, req: _Request, ctx: TextContext, expiry: float) -> None:
         filled = ctx.processed_length // self._page
         for leaf in self._sliding_leaves:
             cut, lo = leaf.window_start(filled), req.nulled.get(leaf.leaf_id, 0)
