@@ -1095,16 +1095,21 @@ class _Loop:
         it fits; False if it left the running set (preempted itself, or cordoned).
 
         After a failed onload ``alloc`` runs again first: it undoes the splice."""
+        # Timed inline rather than through ``self.call``: this runs once per running row per step.
+        timed, alloc, pc = self.call, self.mgr.alloc, time.perf_counter
         while True:
             live.failed_load = False
+            t0 = pc()
             try:
-                transfer = self.call("alloc", live.ctx)
+                transfer = alloc(live.ctx)
             except InsufficientBlocksError:
+                timed.seconds += pc() - t0
                 victim = next(v for v in reversed(self.running) if v.replica == live.replica)
                 self._preempt(victim)
                 if victim is live:
                     return False
                 continue
+            timed.seconds += pc() - t0
             if not self._landed(live, transfer):
                 self.running.remove(live)
                 self._cordon(live, transfer)
@@ -1342,24 +1347,31 @@ class _Loop:
         pc = time.perf_counter
         ps = self.config.page_size
         every = lost.recurrent  # checkpoints are tracked at every page boundary
+        drafts = self.drafts
+        commit = lost.commit
         spent = 0.0
         for live in rows:
             ctx = live.ctx
             decoded = not ctx.pending_length
             if decoded:
-                # a verifying forward (after the prefill's) appends its accepted drafts, then the bonus token
-                n = 1
-                if self.drafts and live.decoding:
-                    verified = len(ctx.spec_decoding_state.draft_tokens_to_verify)
-                    if self.accept is not None:  # random: 0..verified accepted, uniformly
-                        n += int(self.accept.integers(0, verified + 1))
-                    elif self.accept_all:
-                        n += verified
-                for t in live.out[live.generated : min(live.generated + n, live.n_out)]:
-                    ctx.update(t)
-                    live.generated += 1
-                if self.drafts:
-                    ctx.spec_decoding_state.draft_tokens_to_verify = [0] * self.drafts
+                g = live.generated
+                if drafts:
+                    # a verifying forward (after the prefill's) appends its accepted drafts, then the bonus token
+                    n = 1
+                    if live.decoding:
+                        verified = len(ctx.spec_decoding_state.draft_tokens_to_verify)
+                        if self.accept is not None:  # random: 0..verified accepted, uniformly
+                            n += int(self.accept.integers(0, verified + 1))
+                        elif self.accept_all:
+                            n += verified
+                    for t in live.out[g : min(g + n, live.n_out)]:
+                        ctx.update(t)
+                        g += 1
+                    ctx.spec_decoding_state.draft_tokens_to_verify = [0] * drafts
+                elif g < live.n_out:  # one token per forward: no slice, no inner loop
+                    ctx.update(live.out[g])
+                    g += 1
+                live.generated = g
                 live.decoding = True
             else:
                 # spec/manager.md §5: step after every forward, a non-final chunk's included.
@@ -1370,7 +1382,7 @@ class _Loop:
             processed = ctx.processed_length
             if every or processed // ps > live.committed:
                 live.committed = processed // ps
-                lost.commit(live.index, live.replica, processed)
+                commit(live.index, live.replica, processed)
             if decoded and live.generated == live.n_out:
                 t0 = pc()
                 self.mgr.release(ctx)

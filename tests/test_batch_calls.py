@@ -214,3 +214,61 @@ def test_a_batch_reads_the_clock_once(pkg):
     m.release_many(ctxs)
     assert len(reads) == 1
     m.check_invariants()
+
+
+class _SubContext(TextContext):
+    """A TextContext subclass: ``update_many`` checks it one context at a time (not the batch look)."""
+
+    __slots__ = ()
+
+
+@pytest.mark.parametrize("case", ["bool token", "int32 overflow", "numpy scalar", "pending", "not a context",
+                                  "subclass", "duplicate", "float token"])
+def test_update_many_equals_the_loop(case):
+    """``update_many`` takes one C-level look at the batch and falls back to the loop's checks for
+    anything else: either way its error (type and message) is the loop's first, nothing changes on
+    it, and a batch it accepts leaves the contexts as the loop leaves them."""
+    def batch():
+        ctxs = [TextContext(str(i), [1, 2, 3]) for i in range(4)]
+        toks = [10, 11, 12, 13]
+        if case == "bool token":
+            toks[2] = True
+        elif case == "int32 overflow":
+            toks[1] = 2**31
+        elif case == "numpy scalar":
+            toks[3] = np.int16(7)
+        elif case == "pending":
+            ctxs[2].chunk(1)
+        elif case == "not a context":
+            ctxs[1] = "x"
+        elif case == "subclass":
+            ctxs[0] = _SubContext("s", [4, 5])
+        elif case == "duplicate":
+            ctxs[3] = ctxs[0]
+        elif case == "float token":
+            toks[0] = 1.5
+        return ctxs, toks
+
+    def state(ctxs):
+        return [(c.tokens.tolist(), c.processed_length, c.active_length) for c in ctxs if isinstance(c, TextContext)]
+
+    ctxs, toks = batch()
+    loop_error = None
+    try:  # the loop, with update_many's own type check for a non-context
+        for i, (c, t) in enumerate(zip(ctxs, toks)):
+            if not isinstance(c, TextContext):
+                raise TypeError(f"TextContext.update_many: ctxs[{i}]={c!r}, must be a TextContext")
+            c.update(t)
+    except (TypeError, ValueError) as e:
+        loop_error = e
+    looped = state(ctxs)
+    ctxs, toks = batch()
+    before = state(ctxs)
+    if loop_error is None:
+        TextContext.update_many(ctxs, toks)
+        assert state(ctxs) == looped
+    else:
+        with pytest.raises(type(loop_error)) as got:
+            TextContext.update_many(ctxs, toks)
+        assert str(got.value) == str(loop_error)
+        assert state(ctxs) == before

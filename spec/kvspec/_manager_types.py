@@ -537,7 +537,7 @@ class TextContext:
         """
         if type(token) is not int or not -2147483648 <= token <= 2147483647:
             token = _token_int("TextContext.update", token)
-        n = self._length  # the per-token path: each attribute read once, _append inlined
+        n = self._length  # the per-token path: each attribute read once
         if n != self._processed + self._active:  # pending_length, inlined
             raise self._pending_refused()
         buf = self._tokens
@@ -577,6 +577,31 @@ class TextContext:
         toks = _token_list(o, tokens)
         if len(toks) != len(ctxs):
             raise ValueError(f"{o}: len(tokens)={len(toks)} != len(ctxs)={len(ctxs)}, one token per context")
+        n = len(ctxs)
+        if not n:
+            return
+        # One look at the whole batch (C-level passes): exact contexts, each once, nothing pending, every
+        # token a Python int in int32 range. Anything else takes the loop's checks below, in its order.
+        if not (set(map(type, ctxs)) == {TextContext} and set(map(type, toks)) == {int}
+                and -2147483648 <= min(toks) and max(toks) <= 2147483647 and len(set(map(id, ctxs))) == n
+                and all([c._length == c._processed + c._active for c in ctxs])):
+            TextContext._check_many(o, ctxs, toks)
+        for ctx, t in zip(ctxs, toks):  # _append inlined: the per-row write of a decode step
+            k = ctx._length
+            buf = ctx._tokens
+            if k == buf.size:
+                grown = np.empty(2 * k, dtype=np.int32)
+                grown[:k] = buf
+                ctx._tokens = buf = grown
+            buf[k] = t
+            ctx._length = k + 1
+            ctx._processed = k
+            ctx._active = 1
+
+    @staticmethod
+    def _check_many(o: str, ctxs: list, toks: list) -> None:
+        """``update_many``'s checks one context at a time, in the loop's order: the error the loop
+        of ``update`` would raise first (``toks`` entries are converted in place)."""
         seen = set()
         for i, ctx in enumerate(ctxs):  # every check of the loop first, in its order: nothing changes on an error
             if not isinstance(ctx, TextContext):
@@ -588,26 +613,10 @@ class TextContext:
                 seen.add(id(ctx))
                 if ctx._length != ctx._processed + ctx._active:
                     raise ctx._pending_refused()
-        for ctx, t in zip(ctxs, toks):
-            ctx._append(t)
 
     def _pending_refused(self) -> ValueError:
         """``update``'s refusal while a chunk's tokens are pending."""
         return ValueError(f"TextContext.update: {self.pending_length} pending tokens after a chunk; call advance_chunk()")
-
-    def _append(self, token: int) -> None:
-        """``token`` (checked) appended as the only active token (nothing pending): ``update_many``'s
-        write (``update`` inlines it)."""
-        n = self._length  # the per-token path: each attribute read once
-        buf = self._tokens
-        if n == buf.size:
-            grown = np.empty(2 * n, dtype=np.int32)
-            grown[:n] = buf
-            self._tokens = buf = grown
-        buf[n] = token
-        self._length = n + 1
-        self._processed = n
-        self._active = 1
 
     def chunk(self, n: int) -> None:
         """Shrink the active region to its first ``n`` tokens (1 <= n < active_length)."""
