@@ -48,7 +48,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from kvspec import InsufficientBlocksError, KVCacheParams, KVLoadFailed, TextContext
+from kvspec import CompletedTransfer, InsufficientBlocksError, KVCacheParams, KVLoadFailed, TextContext
 from kvspec._config import check_int, parse_device
 
 from .attribution import LostHits, evicted_cause
@@ -580,6 +580,7 @@ _DECODING = operator.attrgetter("decoding")
 _CTX = operator.attrgetter("ctx")
 _FEED = operator.attrgetter("feed")
 _MARK = operator.itemgetter(1)
+_FAILED_LOAD = operator.attrgetter("failed_load")
 
 
 class _Running(list):
@@ -962,7 +963,8 @@ class _Loop:
     def _schedule_running(self, batches, budget: int) -> int:
         """Schedule running requests oldest first; returns the token budget left."""
         i = 0
-        if not self.tiers:
+        if not self.tiers or not any(map(_FAILED_LOAD, self.running)):
+            # (a failed onload's row allocs again until its splice is undone: the loop below)
             i, budget = self._schedule_allocs(batches, budget)
         cap = self.config.max_batch_size
         running = self.running
@@ -1045,20 +1047,29 @@ class _Loop:
                     continue
             room[r] -= 1
             left -= n
-        # 2. the allocs, in order
-        alloc = self.mgr.alloc
+        # 2. the allocs, in order: one alloc_many (spec/manager.md §17: the loop's effect, or its
+        # error with nothing changed); when one of them is short of pages, the loop of single
+        # allocs, which allocates those before it and raises at it
         ctxs = self._lead_ctxs[:start] if start else []
         if len(todo) > start:
             ctxs += map(_CTX, todo[start:])
         pc = time.perf_counter
-        it = iter(ctxs)
         t0 = pc()
         try:
-            collections.deque(map(alloc, it), 0)  # the calls in order, at C speed
+            transfers = self.mgr.alloc_many(ctxs)
             done = len(ctxs)
         except InsufficientBlocksError:
-            done = len(ctxs) - operator.length_hint(it) - 1  # the one that raised was taken from it
+            it = iter(ctxs)
+            try:
+                collections.deque(map(self.mgr.alloc, it), 0)  # the calls in order, at C speed
+                raise ReplayError("replay: alloc_many refused a batch that its loop of alloc accepted")
+            except InsufficientBlocksError:
+                done = len(ctxs) - operator.length_hint(it) - 1  # the one that raised was taken from it
+            transfers = None
         self.call.seconds += pc() - t0
+        if self.tiers and transfers and set(map(type, transfers)) != {CompletedTransfer}:
+            # a running request's alloc sizes its rows only: a transfer of its own would need the cordon
+            raise ReplayError("replay: a running request's alloc started a transfer")
         # 3. batch those allocated (the leading decodes: one token each, no chunking)
         fast = self._fast_rows = min(start, done)
         if fast:
@@ -1250,9 +1261,9 @@ class _Loop:
     def _forward(self, rows: list[_Live]) -> None:
         """The forward of ``rows``: feed each context its token (or next chunk), ``step`` it, track
         its commits, ``release`` it when done."""
-        if self.tiers or self.drafts:
+        if self.drafts:
             return self._forward_tiers(rows)  # one row at a time (a speculative decode appends several tokens)
-        # Without tiers nothing is in flight: ``step`` changes no context, so the contexts are fed
+        # The rows' transfers have landed (the cordon): ``step`` changes no context, so the contexts are fed
         # (and their commits tracked) first and the manager's calls run in one timed loop, in row
         # order (a finished row is released right after its step, before the next row's step).
         lost = self.lost
@@ -1304,7 +1315,7 @@ class _Loop:
         pc = time.perf_counter
         if not ending:
             t0 = pc()
-            collections.deque(map(step, ctxs), 0)
+            self.mgr.step_many(ctxs)
             self.call.seconds += pc() - t0
             return
         release = self.mgr.release

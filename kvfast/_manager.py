@@ -182,40 +182,171 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         transfers, splices the device hit at the reuse point, grows the rows,
         runs the external stage); all or nothing on ``InsufficientBlocksError``.
         """
-        # Decode lane: a claimed request already holding pages that cover its next forward, with no
-        # load of its own and no external stage due (spec/manager.md §4: only the drain, the sizing
-        # and the count). The context's slots are read directly (type(ctx) is exactly TextContext).
-        if type(ctx) is TextContext and defer_lookup is False and self._lane and (
-                ctx._spec_decoding_state is None or self._drafts_fit(ctx._spec_decoding_state)):
-            req = self._requests.get(ctx.request_id)
-            if req is not None and req.ctx is ctx and req.settled:  # no load, no external stage due
-                row = req.rows[self._anchor_id]
-                page = self._page
-                processed, active = ctx._processed, ctx._active
-                # spec/manager.md §15: with drafts the rows cover seq_len; a row past its need rolls
-                # back (the policy's trim)
-                short = (processed + active if not self._drafts else self._seq_len(ctx)) - len(row) * page
-                # the shortest state row: 0 (an empty one gets a fresh, zeroed state from the policy,
-                # spec/manager.md §4.7), below _state_len (a successor to draw, spec/manager.md §5.2)
-                states = self._state_len
-                if self._state_ids:
-                    for lid in self._state_ids:  # (inline: a decode step's check)
-                        n = len(req.rows[lid])
-                        if n < states:
-                            states = n
-                # (no rewind into published pages, spec/manager.md §11.21, nor into a fork's, spec/manager.md §19)
-                if row and ctx._length <= self._max_seq_len and processed >= req.committed * page and states and (
-                        short > -page or not self._drafts) and processed >= req.shared_floor:
-                    if self._loads or self._offloads and self._completions_moved():
-                        self._drain()  # spec/manager.md §9.2: finished transfers land before the sizing
-                    # Not at the reuse point (the row holds pages): only growth, no splice; every
-                    # paged row has the anchor's length (spec/manager.md §4.6).
-                    if (short > 0 or states < self._state_len) and not self._grow_rows(
-                            req, row, -(-short // page) if short > 0 else 0):
-                        return super().alloc(ctx)  # short of pages: the policy waits for offloads or raises
-                    self._metrics.input_tokens += req.count_forward(active)  # spec/manager.md §4.9
-                    return _DONE
+        # A running request's decode sizing is the batch path's, a batch of one (spec/manager.md §17).
+        if type(ctx) is TextContext and defer_lookup is False and self._lane:
+            done = self._decode_alloc([ctx])
+            if done is not None:
+                return done[0]
         return self._alloc_fast(ctx, defer_lookup)
+
+    # ------------------------------------------------------------------ the decode batch (spec/manager.md §17)
+
+    def alloc_many(self, ctxs, *, defer_lookup: bool = False) -> list[KVTransfer]:
+        """``[alloc(ctx, defer_lookup=defer_lookup) for ctx in ctxs]``, all or nothing (same contract
+        as the reference, spec/manager.md §17): a batch of running requests in one pass
+        (:meth:`_decode_alloc`), any other batch through the policy's checks and bound."""
+        if type(ctxs) is list and defer_lookup is False and self._lane:
+            done = self._decode_alloc(ctxs)
+            if done is not None:
+                return done
+        return super().alloc_many(ctxs, defer_lookup=defer_lookup)
+
+    def _decode_alloc(self, ctxs: list) -> list[KVTransfer] | None:
+        """``alloc`` over ``ctxs`` when every context is a claimed, settled request already holding
+        pages (spec/manager.md §4: only the drain, the sizing and the count), each listed once, and
+        the batch's growth fits the free pages of every replica and leaf (so nothing can fail);
+        else None, with nothing changed but the drain the loop's first ``alloc`` does (§17.2).
+
+        One pass reads each context's slots (``type(ctx) is TextContext``) and plans its growth;
+        the pages are then drawn in batch order, so the block ids are the loop's."""
+        requests, page, anchor, longest = self._requests, self._page, self._anchor_id, self._max_seq_len
+        drafts, state_ids, state_len = self._drafts, self._state_ids, self._state_len
+        grow = []  # (request, anchor row, pages per paged row), in batch order
+        counts = []  # (request, active_length): the forward each alloc counts (spec/manager.md §4.9)
+        for ctx in ctxs:
+            if type(ctx) is not TextContext:
+                return None
+            req = requests.get(ctx.request_id)
+            if req is None or req.ctx is not ctx or not req.settled:
+                return None  # unclaimed, a replacement, a load or an external stage of its own
+            state = ctx._spec_decoding_state
+            if state is not None and not self._drafts_fit(state):
+                return None  # the policy checks drafts (spec/manager.md §15.4)
+            row = req.rows[anchor]
+            processed = ctx._processed
+            # (no rewind into published pages, spec/manager.md §11.21, nor into a fork's, spec/manager.md §19)
+            if not row or ctx._length > longest or processed < req.committed * page or processed < req.shared_floor:
+                return None
+            # spec/manager.md §15: with drafts the rows cover seq_len; a row past its need rolls back
+            # (the policy's trim)
+            short = (processed + ctx._active if not drafts else self._seq_len(ctx)) - len(row) * page
+            if drafts and short <= -page:
+                return None
+            need = -(-short // page) if short > 0 else 0
+            if state_ids:
+                # a state row: its live page, and with caching a successor to draw (spec/manager.md §5.2);
+                # an empty one gets a fresh, zeroed state from the policy (spec/manager.md §4.7)
+                states = min([len(req.rows[lid]) for lid in state_ids])
+                if not states:
+                    return None
+                if need or states < state_len:
+                    grow.append((req, row, need))
+            elif need:
+                grow.append((req, row, need))
+            counts.append((req, ctx._active))
+        if len(ctxs) > 1 and len(set(map(id, ctxs))) != len(ctxs):
+            return None  # a duplicate: its second alloc sizes the first's rows (the policy's loop)
+        if self._loads or self._offloads and self._completions_moved():
+            self._drain()  # spec/manager.md §9.2, §17.2: finished transfers land before the sizing
+        if grow:
+            if not self._demand_fits(self._decode_demand(grow)):
+                return None  # short of pages: the policy waits for offloads, or raises all or nothing
+            grow_rows = self._grow_rows
+            with self._clock_held:  # spec/manager.md §14.7, §17.1: one reading for every pool drawn from
+                for req, row, need in grow:
+                    grow_rows(req, row, need)
+        added = 0
+        for req, active in counts:
+            added += req.count_forward(active)
+        self._metrics.input_tokens += added  # spec/manager.md §4.9
+        return [_DONE] * len(ctxs)
+
+    def _decode_demand(self, grow: list) -> dict[int, dict[str, int]]:
+        """The pages ``grow`` draws, per replica and leaf: ``need`` on every paged row, the missing
+        successor on a state row (spec/manager.md §5.2), as :meth:`_grow_rows` draws them."""
+        demand: dict[int, dict[str, int]] = {}
+        full = self._state_len
+        for req, _, need in grow:
+            per = demand.setdefault(req.replica, {})
+            for lid, state in self._grow_order:
+                n = full - len(req.rows[lid]) if state else need
+                if n > 0:
+                    per[lid] = per.get(lid, 0) + n
+        return demand
+
+    def _demand_fits(self, demand: dict[int, dict[str, int]]) -> bool:
+        """Whether every replica's ``demand`` (pages per leaf) fits its free pages (one slab's
+        joint check with several leaves, spec/manager.md §13.3)."""
+        for r, per in demand.items():
+            if not per:
+                continue
+            if self._slabs:
+                if self._slabs[r].shortfall(per, None) is not None:
+                    return False
+            else:
+                pools = self._pools[r]
+                for lid, n in per.items():
+                    if n > pools[lid].num_free:
+                        return False
+        return True
+
+    def step_many(self, ctxs) -> None:
+        """``for ctx in ctxs: step(ctx)``, all or nothing (same contract as the reference,
+        spec/manager.md §17): a batch of settled requests whose rows cover the forward in one pass
+        (:meth:`_decode_step`), any other batch through the policy's checks."""
+        if type(ctxs) is list and self._lane and ctxs:
+            plan = self._decode_step(ctxs)
+            if plan is not None:
+                with self._clock_held:  # spec/manager.md §17.1: one clock reading, checked before any change
+                    return self._apply_step(*plan)
+        super().step_many(ctxs)
+
+    def _apply_step(self, counted: list, commits: list) -> None:
+        """The steps :meth:`_decode_step` planned: the forward counted, then the commits in batch order."""
+        for req in counted:
+            req.step_gen += 1
+        step = self._step_one if self._single else self._step_leaves
+        for ctx in commits:
+            step(ctx)
+
+    def _decode_step(self, ctxs: list) -> tuple[list, list] | None:
+        """``step`` over ``ctxs`` when every context is a claimed, settled request whose rows cover
+        its forward, each listed once (then no step can fail, spec/manager.md §17.2); None otherwise,
+        with nothing changed. A step that commits nothing (spec/manager.md §5: no page filled, no
+        checkpoint, no slide) only counts the forward; the others commit in batch order. Returns ``(requests that only count, contexts that commit)`` for :meth:`_apply_step`."""
+        requests, page, anchor, caching = self._requests, self._page, self._anchor_id, self._caching
+        single, windows, state_ids = self._single, self._windows, self._state_ids
+        counted = []  # requests whose step only counts the forward
+        commits = []  # contexts whose step commits, checkpoints or slides
+        for ctx in ctxs:
+            if type(ctx) is not TextContext:
+                return None
+            req = requests.get(ctx.request_id)
+            if req is None or req.ctx is not ctx or not req.settled:
+                return None  # unclaimed, a replacement, a dummy row, a load or an admission's flags
+            processed = ctx._processed
+            if processed > len(req.rows[anchor]) * page:
+                return None  # the policy raises: alloc must be called before the forward
+            if single:
+                # spec/manager.md §5.1: nothing filled since the last commit, or no prefix caching
+                if processed < (req.committed + 1) * page or not caching:
+                    counted.append(req)
+                    continue
+            else:
+                filled = processed // page
+                if not caching or (min(filled, (ctx._length - 1) // page) <= req.committed
+                                   and (not state_ids or not processed or processed % page)):  # §5.1, §5.2
+                    nulled = req.nulled
+                    for lid, window in windows:
+                        if filled - window > nulled.get(lid, 0):
+                            break  # spec/manager.md §5.3: blocks left the window, the slide frees them
+                    else:
+                        counted.append(req)
+                        continue
+            commits.append(ctx)
+        if len(ctxs) > 1 and len(set(map(id, ctxs))) != len(ctxs):
+            return None  # a duplicate: its second step sees the first's commit (the policy's loop)
+        return counted, commits
 
     def _drafts_fit(self, state) -> bool:
         """Both draft lists of ``state`` are lists within ``num_draft_tokens`` (spec/manager.md §15.4);
@@ -441,19 +572,17 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         """Commit what the forward wrote (call after ``ctx.update``); same contract as the reference."""
         if type(ctx) is not TextContext or not self._lane:
             return super().step(ctx)
+        plan = self._decode_step([ctx])  # a settled request's step is the batch path's, a batch of one
+        if plan is not None:
+            return self._apply_step(*plan)
         if not self._single:
             return self._step_leaves(ctx)
+        return self._step_one(ctx)
+
+    def _step_one(self, ctx: TextContext) -> None:
+        """``step`` of one full leaf: the commit of a settled request (the batch path's), or the
+        policy's checks, adoption and load handling for any other."""
         req = self._requests.get(ctx.request_id)
-        if req is not None and req.ctx is ctx and req.settled:
-            # A decode step inside a page (spec/manager.md §5.1: nothing filled since the last
-            # commit, the rows cover it), or any step without prefix caching (nothing is ever
-            # committed): only the forward is counted.
-            processed = ctx._processed
-            page = self._page
-            if (processed < (req.committed + 1) * page or not self._caching) and \
-                    processed <= len(req.rows[self._anchor_id]) * page:
-                req.step_gen += 1
-                return
         if req is None or req.ctx is not ctx or req.dummy:
             req = self._req("step", ctx)  # raises, or adopts a replacement context (spec/manager.md §2.3)
             if req.dummy:
