@@ -61,10 +61,6 @@ class Evicted:
     wanted: bool = False
 
 
-def _one(entry) -> int:
-    return 1
-
-
 class HostTier(EntryIndex):
     """Fixed arena of ``num_slots`` slots of ``page_bytes`` bytes, LRU by use.
 
@@ -117,10 +113,9 @@ class HostTier(EntryIndex):
             return None, []
         evicted: list[Evicted] = []
         if not self._has_free_slot():
-            victims = self._victims(1, _one)
-            if not victims:
+            victim = self._front()  # the least recently used evictable entry (one slot is needed)
+            if victim is None:
                 return None, []
-            victim = victims[0]
             data = self.arena[victim.slot].copy() if copy_evicted and self.arena is not None else None
             evicted.append(Evicted(victim.block_hash, victim.tokens, data, wanted=copy_evicted))
             self._release(victim)

@@ -147,6 +147,28 @@ class EntryIndex:
             for heap, item in taken:
                 heapq.heappush(heap, item)
 
+    def _front(self):
+        """The first entry of the eviction order (what ``_evictable`` yields first), or None when
+        no entry is evictable; changes no entry. As the generator reads the front: stale items
+        are dropped, an item with an outdated rank goes back at its entry's rank; the front item
+        stays on its heap (the entry's removal makes it stale)."""
+        self._sync()
+        if self._expiries:
+            self._expire(self.clock())
+        at, rank = self._at, self._rank
+        for level in sorted(self._count):
+            heap = self._heaps[level]
+            while heap:
+                item = heap[0]
+                h = item[2]
+                if at.get(h) != (level, item[1]):
+                    heapq.heappop(heap)  # stale: dropped for good
+                elif item[0] != rank[h]:  # touched since it was pushed: back at its entry's rank
+                    heapq.heapreplace(heap, (rank[h], item[1], h))
+                else:
+                    return self._index[h]
+        return None
+
     def _victims(self, need: int, size) -> list:
         """The first entries of the eviction order whose ``size(entry)`` sum to at least
         ``need`` (all evictable entries if they do not); changes nothing."""
