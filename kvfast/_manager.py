@@ -182,91 +182,129 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         transfers, splices the device hit at the reuse point, grows the rows,
         runs the external stage); all or nothing on ``InsufficientBlocksError``.
         """
-        # A running request's decode sizing is the batch path's, a batch of one (spec/manager.md §17).
-        if type(ctx) is TextContext and defer_lookup is False and self._lane:
-            done = self._decode_alloc([ctx])
-            if done is not None:
-                return done[0]
+        # A running request's decode sizing: its plan (the batch calls' too), then only the drain,
+        # the growth and the count (spec/manager.md §4).
+        plan = self._alloc_plan(ctx) if defer_lookup is False and self._lane else None
+        if plan is not None:
+            req, row, need, grows = plan
+            if self._loads or self._offloads and self._completions_moved():
+                self._drain()  # spec/manager.md §9.2: finished transfers land before the sizing
+            if grows and not self._grow_rows(req, row, need):
+                return super().alloc(ctx)  # short of pages: the policy waits for offloads or raises
+            self._metrics.input_tokens += req.count_forward(ctx._active)  # spec/manager.md §4.9
+            return _DONE
         return self._alloc_fast(ctx, defer_lookup)
 
-    # ------------------------------------------------------------------ the decode batch (spec/manager.md §17)
+    # ------------------------------------------------------------------ the decode step (spec/manager.md §4, §5, §17)
+    #
+    # One plan per row, shared by the single calls and the batch calls: ``_alloc_plan`` and
+    # ``_step_plan`` read a context's slots and its record (changing nothing) and say what its call
+    # does, or None when the row is not a running request's plain decode (the policy's then).
+
+    def _alloc_plan(self, ctx) -> tuple | None:
+        """``(record, anchor row, pages per paged row, grows)`` for ``alloc(ctx)`` of a claimed,
+        settled request already holding pages (spec/manager.md §4: only the drain, the sizing and
+        the count); ``grows`` when it draws pages (its paged rows, or a state row's successor,
+        spec/manager.md §5.2). None otherwise (nothing read beyond the checks)."""
+        if type(ctx) is not TextContext:
+            return None
+        req = self._requests.get(ctx.request_id)
+        if req is None or req.ctx is not ctx or not req.settled:
+            return None  # unclaimed, a replacement, a load or an external stage of its own
+        state = ctx._spec_decoding_state
+        if state is not None and not self._drafts_fit(state):
+            return None  # the policy checks drafts (spec/manager.md §15.4)
+        row = req.rows[self._anchor_id]
+        processed = ctx._processed
+        page = self._page
+        # (no rewind into published pages, spec/manager.md §11.21, nor into a fork's, spec/manager.md §19)
+        if not row or ctx._length > self._max_seq_len or processed < req.committed * page or \
+                processed < req.shared_floor:
+            return None
+        if self._drafts:
+            # spec/manager.md §15: the rows cover seq_len; a row past its need rolls back (the policy's trim)
+            short = self._seq_len(ctx) - len(row) * page
+            if short <= -page:
+                return None
+        else:
+            short = processed + ctx._active - len(row) * page
+        need = -(-short // page) if short > 0 else 0
+        if self._state_ids:
+            # a state row: its live page, and with caching a successor to draw (spec/manager.md §5.2);
+            # an empty one gets a fresh, zeroed state from the policy (spec/manager.md §4.7)
+            states = min([len(req.rows[lid]) for lid in self._state_ids])
+            if not states:
+                return None
+            return req, row, need, need > 0 or states < self._state_len
+        return req, row, need, need > 0
+
+    def _step_plan(self, ctx) -> tuple | None:
+        """``(record, commits)`` for ``step(ctx)`` of a claimed, settled request whose rows cover its
+        forward (then the step cannot fail): ``commits`` False when it only counts the forward
+        (spec/manager.md §5: no page filled since the last commit, no checkpoint, no slide, or no
+        prefix caching). None otherwise."""
+        if type(ctx) is not TextContext:
+            return None
+        req = self._requests.get(ctx.request_id)
+        if req is None or req.ctx is not ctx or not req.settled:
+            return None  # unclaimed, a replacement, a dummy row, a load or an admission's flags
+        processed = ctx._processed
+        page = self._page
+        if processed > len(req.rows[self._anchor_id]) * page:
+            return None  # the policy raises: alloc must be called before the forward
+        if not self._caching:
+            return req, bool(self._windows) and self._slides(req, processed // page)
+        if self._single:
+            return req, processed >= (req.committed + 1) * page  # spec/manager.md §5.1
+        filled = processed // page
+        if min(filled, (ctx._length - 1) // page) > req.committed or (
+                self._state_ids and processed and not processed % page):  # spec/manager.md §5.1, §5.2
+            return req, True
+        return req, bool(self._windows) and self._slides(req, filled)
+
+    def _slides(self, req, filled: int) -> bool:
+        """Whether blocks left a sliding leaf's window (spec/manager.md §5.3: the slide frees them)."""
+        nulled = req.nulled
+        for lid, window in self._windows:
+            if filled - window > nulled.get(lid, 0):
+                return True
+        return False
 
     def alloc_many(self, ctxs, *, defer_lookup: bool = False) -> list[KVTransfer]:
         """``[alloc(ctx, defer_lookup=defer_lookup) for ctx in ctxs]``, all or nothing (same contract
-        as the reference, spec/manager.md §17): a batch of running requests in one pass
-        (:meth:`_decode_alloc`), any other batch through the policy's checks and bound."""
-        if type(ctxs) is list and defer_lookup is False and self._lane:
-            done = self._decode_alloc(ctxs)
-            if done is not None:
-                return done
+        as the reference, spec/manager.md §17).
+
+        A batch of running requests, each listed once, whose growth fits the free pages of every
+        replica and leaf (so no alloc can fail) is served from the rows' plans in one pass: the
+        drain the loop's first ``alloc`` does, the pages drawn in batch order (the loop's block
+        ids), the forwards counted. Any other batch goes through the policy's checks and bound."""
+        if type(ctxs) is list and defer_lookup is False and self._lane and ctxs:
+            plans = list(map(self._alloc_plan, ctxs))
+            if None not in plans and (len(ctxs) == 1 or len(set(map(id, ctxs))) == len(ctxs)):
+                # (a duplicate's second alloc sizes the first's rows: the policy's loop)
+                if self._loads or self._offloads and self._completions_moved():
+                    self._drain()  # spec/manager.md §9.2, §17.2: finished transfers land before the sizing
+                grow = [p for p in plans if p[3]]
+                if not grow or self._demand_fits(self._decode_demand(grow)):
+                    if grow:
+                        grow_rows = self._grow_rows
+                        with self._clock_held:  # spec/manager.md §14.7, §17.1: one reading for every pool
+                            for req, row, need, _ in grow:
+                                grow_rows(req, row, need)
+                    added = 0
+                    for p, ctx in zip(plans, ctxs):
+                        added += p[0].count_forward(ctx._active)
+                    self._metrics.input_tokens += added  # spec/manager.md §4.9
+                    return [_DONE] * len(ctxs)
+                # short of pages: the policy waits for offloads, or raises all or nothing
         return super().alloc_many(ctxs, defer_lookup=defer_lookup)
 
-    def _decode_alloc(self, ctxs: list) -> list[KVTransfer] | None:
-        """``alloc`` over ``ctxs`` when every context is a claimed, settled request already holding
-        pages (spec/manager.md §4: only the drain, the sizing and the count), each listed once, and
-        the batch's growth fits the free pages of every replica and leaf (so nothing can fail);
-        else None, with nothing changed but the drain the loop's first ``alloc`` does (§17.2).
-
-        One pass reads each context's slots (``type(ctx) is TextContext``) and plans its growth;
-        the pages are then drawn in batch order, so the block ids are the loop's."""
-        requests, page, anchor, longest = self._requests, self._page, self._anchor_id, self._max_seq_len
-        drafts, state_ids, state_len = self._drafts, self._state_ids, self._state_len
-        grow = []  # (request, anchor row, pages per paged row), in batch order
-        counts = []  # (request, active_length): the forward each alloc counts (spec/manager.md §4.9)
-        for ctx in ctxs:
-            if type(ctx) is not TextContext:
-                return None
-            req = requests.get(ctx.request_id)
-            if req is None or req.ctx is not ctx or not req.settled:
-                return None  # unclaimed, a replacement, a load or an external stage of its own
-            state = ctx._spec_decoding_state
-            if state is not None and not self._drafts_fit(state):
-                return None  # the policy checks drafts (spec/manager.md §15.4)
-            row = req.rows[anchor]
-            processed = ctx._processed
-            # (no rewind into published pages, spec/manager.md §11.21, nor into a fork's, spec/manager.md §19)
-            if not row or ctx._length > longest or processed < req.committed * page or processed < req.shared_floor:
-                return None
-            # spec/manager.md §15: with drafts the rows cover seq_len; a row past its need rolls back
-            # (the policy's trim)
-            short = (processed + ctx._active if not drafts else self._seq_len(ctx)) - len(row) * page
-            if drafts and short <= -page:
-                return None
-            need = -(-short // page) if short > 0 else 0
-            if state_ids:
-                # a state row: its live page, and with caching a successor to draw (spec/manager.md §5.2);
-                # an empty one gets a fresh, zeroed state from the policy (spec/manager.md §4.7)
-                states = min([len(req.rows[lid]) for lid in state_ids])
-                if not states:
-                    return None
-                if need or states < state_len:
-                    grow.append((req, row, need))
-            elif need:
-                grow.append((req, row, need))
-            counts.append((req, ctx._active))
-        if len(ctxs) > 1 and len(set(map(id, ctxs))) != len(ctxs):
-            return None  # a duplicate: its second alloc sizes the first's rows (the policy's loop)
-        if self._loads or self._offloads and self._completions_moved():
-            self._drain()  # spec/manager.md §9.2, §17.2: finished transfers land before the sizing
-        if grow:
-            if not self._demand_fits(self._decode_demand(grow)):
-                return None  # short of pages: the policy waits for offloads, or raises all or nothing
-            grow_rows = self._grow_rows
-            with self._clock_held:  # spec/manager.md §14.7, §17.1: one reading for every pool drawn from
-                for req, row, need in grow:
-                    grow_rows(req, row, need)
-        added = 0
-        for req, active in counts:
-            added += req.count_forward(active)
-        self._metrics.input_tokens += added  # spec/manager.md §4.9
-        return [_DONE] * len(ctxs)
-
     def _decode_demand(self, grow: list) -> dict[int, dict[str, int]]:
-        """The pages ``grow`` draws, per replica and leaf: ``need`` on every paged row, the missing
-        successor on a state row (spec/manager.md §5.2), as :meth:`_grow_rows` draws them."""
+        """The pages the plans ``grow`` draw, per replica and leaf: ``need`` on every paged row, the
+        missing successor on a state row (spec/manager.md §5.2), as :meth:`_grow_rows` draws them."""
         demand: dict[int, dict[str, int]] = {}
         full = self._state_len
-        for req, _, need in grow:
+        for req, _, need, _ in grow:
             per = demand.setdefault(req.replica, {})
             for lid, state in self._grow_order:
                 n = full - len(req.rows[lid]) if state else need
@@ -292,61 +330,22 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
 
     def step_many(self, ctxs) -> None:
         """``for ctx in ctxs: step(ctx)``, all or nothing (same contract as the reference,
-        spec/manager.md §17): a batch of settled requests whose rows cover the forward in one pass
-        (:meth:`_decode_step`), any other batch through the policy's checks."""
+        spec/manager.md §17): a batch of settled requests whose rows cover the forward, each listed
+        once (so no step can fail), is served from the rows' plans in batch order under one clock
+        reading; any other batch goes through the policy's checks."""
         if type(ctxs) is list and self._lane and ctxs:
-            plan = self._decode_step(ctxs)
-            if plan is not None:
+            plans = list(map(self._step_plan, ctxs))
+            if None not in plans and (len(ctxs) == 1 or len(set(map(id, ctxs))) == len(ctxs)):
+                # (a duplicate's second step sees the first's commit: the policy's loop)
+                commit = self._step_one if self._single else self._step_leaves
                 with self._clock_held:  # spec/manager.md §17.1: one clock reading, checked before any change
-                    return self._apply_step(*plan)
+                    for (req, commits), ctx in zip(plans, ctxs):
+                        if commits:
+                            commit(ctx)
+                        else:
+                            req.step_gen += 1  # only the forward is counted
+                return
         super().step_many(ctxs)
-
-    def _apply_step(self, counted: list, commits: list) -> None:
-        """The steps :meth:`_decode_step` planned: the forward counted, then the commits in batch order."""
-        for req in counted:
-            req.step_gen += 1
-        step = self._step_one if self._single else self._step_leaves
-        for ctx in commits:
-            step(ctx)
-
-    def _decode_step(self, ctxs: list) -> tuple[list, list] | None:
-        """``step`` over ``ctxs`` when every context is a claimed, settled request whose rows cover
-        its forward, each listed once (then no step can fail, spec/manager.md §17.2); None otherwise,
-        with nothing changed. A step that commits nothing (spec/manager.md §5: no page filled, no
-        checkpoint, no slide) only counts the forward; the others commit in batch order. Returns ``(requests that only count, contexts that commit)`` for :meth:`_apply_step`."""
-        requests, page, anchor, caching = self._requests, self._page, self._anchor_id, self._caching
-        single, windows, state_ids = self._single, self._windows, self._state_ids
-        counted = []  # requests whose step only counts the forward
-        commits = []  # contexts whose step commits, checkpoints or slides
-        for ctx in ctxs:
-            if type(ctx) is not TextContext:
-                return None
-            req = requests.get(ctx.request_id)
-            if req is None or req.ctx is not ctx or not req.settled:
-                return None  # unclaimed, a replacement, a dummy row, a load or an admission's flags
-            processed = ctx._processed
-            if processed > len(req.rows[anchor]) * page:
-                return None  # the policy raises: alloc must be called before the forward
-            if single:
-                # spec/manager.md §5.1: nothing filled since the last commit, or no prefix caching
-                if processed < (req.committed + 1) * page or not caching:
-                    counted.append(req)
-                    continue
-            else:
-                filled = processed // page
-                if not caching or (min(filled, (ctx._length - 1) // page) <= req.committed
-                                   and (not state_ids or not processed or processed % page)):  # §5.1, §5.2
-                    nulled = req.nulled
-                    for lid, window in windows:
-                        if filled - window > nulled.get(lid, 0):
-                            break  # spec/manager.md §5.3: blocks left the window, the slide frees them
-                    else:
-                        counted.append(req)
-                        continue
-            commits.append(ctx)
-        if len(ctxs) > 1 and len(set(map(id, ctxs))) != len(ctxs):
-            return None  # a duplicate: its second step sees the first's commit (the policy's loop)
-        return counted, commits
 
     def _drafts_fit(self, state) -> bool:
         """Both draft lists of ``state`` are lists within ``num_draft_tokens`` (spec/manager.md §15.4);
@@ -572,9 +571,11 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         """Commit what the forward wrote (call after ``ctx.update``); same contract as the reference."""
         if type(ctx) is not TextContext or not self._lane:
             return super().step(ctx)
-        plan = self._decode_step([ctx])  # a settled request's step is the batch path's, a batch of one
+        plan = self._step_plan(ctx)  # a settled request's step: its plan (the batch calls' too)
         if plan is not None:
-            return self._apply_step(*plan)
+            if not plan[1]:
+                plan[0].step_gen += 1  # only the forward is counted (spec/manager.md §5)
+                return
         if not self._single:
             return self._step_leaves(ctx)
         return self._step_one(ctx)
