@@ -29,6 +29,14 @@ their ratio (best of ``repeat`` timings of each):
   per configuration of :data:`BATCH_CONFIGS`: kvref's batch calls over
   kvfast's (target >= 30), and kvfast's per-request loop of the same calls
   over its batch calls (target >= 10); hits must agree.
+* ``transformers decode, <cache>`` (issue 33): a tiny random Llama (2 layers,
+  hidden 64, 4 query / 2 K/V heads), a 32-token prompt, 50 greedy decode
+  steps of batch 1, torch on one thread: the model forward per decode step
+  with transformers' ``DynamicCache`` over the same with each ``SlotKVCache``
+  of :data:`TRANSFORMERS_VARIANTS` (target >= 1/1.1: a step at most 1.1x
+  ``DynamicCache``'s), ``generate``'s per-step cost in the detail; every
+  variant timed interleaved in the one run; tokens must agree. Skipped, with
+  a message, where torch or transformers is not installed.
 
 Run ``kvcache bench`` (or ``python -m kvcache.bench``); ``--quick`` shrinks
 the repetitions for a smoke run; ``--json PATH`` writes ``{"metadata": ..., "rows": [...]}``
@@ -40,12 +48,17 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import sys
 import time
 from typing import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["run_bench", "print_table", "main", "peer_workload", "replay_manager", "decode_batch"]
+__all__ = ["run_bench", "print_table", "main", "peer_workload", "replay_manager", "decode_batch",
+           "transformers_decode", "tiny_llama"]
+
+#: The sections of the table, in order (``--only`` picks some).
+SECTIONS = ("append", "prepare", "replay", "configs", "retention", "batch", "transformers")
 
 # Peer workload constants (WORKLOAD.md §1).
 SEED = 20260601
@@ -597,6 +610,168 @@ def _retention_case(num_requests: int, repeat: int) -> dict:
     }
 
 
+# --------------------------------------------------------------------------- transformers (issue 33)
+
+#: ``kvcache bench --only transformers``: label -> (``SlotKVCache`` keyword arguments, or None for
+#: transformers' ``DynamicCache``; ``attn_implementation`` the model runs with).
+TRANSFORMERS_VARIANTS = {
+    "DynamicCache": (None, "sdpa"),
+    "contiguous, kvfast": (dict(mode="contiguous"), "sdpa"),
+    "contiguous, kvref": (dict(mode="contiguous", backend="kvref"), "sdpa"),
+    "paged, kvfast": (dict(), "sdpa"),
+    "paged, kvref": (dict(backend="kvref"), "sdpa"),
+    "paged, kvfast, scatter=ops": (dict(scatter="ops"), "sdpa"),
+    "paged, kvfast, kvcache attention": (dict(), "kvcache"),
+}
+
+
+def transformers_available() -> str | None:
+    """None when torch and transformers import, else why not (the section is skipped)."""
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        return f"{e.name or e} is not installed (pip install torch transformers)"
+    return None
+
+
+def tiny_llama(prompt: int = 32):
+    """The section's model: a random Llama, 2 layers, hidden 64, 4 query / 2 K/V heads, vocabulary
+    128 (nothing downloaded), and a ``[1, prompt]`` batch of token ids."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (1, prompt), generator=torch.Generator().manual_seed(1))
+    return model, ids
+
+
+class _Attention:
+    """``with _Attention(model, name):`` the model runs ``attn_implementation=name``; restored after."""
+
+    def __init__(self, model, name: str):
+        self.model, self.name = model, name
+
+    def __enter__(self):
+        self.saved = self.model.config._attn_implementation
+        if self.name != self.saved:
+            self.model.set_attn_implementation(self.name)
+
+    def __exit__(self, *exc):
+        if self.name != self.saved:
+            self.model.set_attn_implementation(self.saved)
+
+
+def _transformers_cache(model, variant: str):
+    """A fresh cache of ``variant`` (a :data:`TRANSFORMERS_VARIANTS` label) for ``model``."""
+    from transformers import DynamicCache
+
+    from .integrations.transformers import SlotKVCache
+
+    kwargs, _ = TRANSFORMERS_VARIANTS[variant]
+    return DynamicCache(config=model.config) if kwargs is None else SlotKVCache(model.config, **kwargs)
+
+
+def _transformers_generate(model, ids, variant: str, new_tokens: int) -> float:
+    """Seconds of one greedy ``model.generate`` of ``new_tokens`` with a fresh ``variant`` cache."""
+    import torch
+
+    from .integrations.transformers import _cache_kwarg
+
+    with _Attention(model, TRANSFORMERS_VARIANTS[variant][1]), torch.no_grad():
+        c = _transformers_cache(model, variant)
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, do_sample=False, **{_cache_kwarg(model): c})
+        return time.perf_counter() - t0
+
+
+def transformers_decode(model, ids, variant: str, *, steps: int = 50) -> dict:
+    """One timing of ``variant`` (a :data:`TRANSFORMERS_VARIANTS` label) on ``model``: greedy decode
+    of batch 1 after ``ids``, a fresh cache each time.
+
+    Returns ``forward`` (seconds per decode step of a manual greedy loop: one ``model(...)`` call on the
+    last token and its argmax, the prefill outside the timing), ``generate_long`` /
+    ``generate_short`` (seconds of ``model.generate`` for ``steps + 1`` and 1 new tokens: their
+    difference over ``steps`` is ``generate``'s cost per decode step) and ``tokens`` (the decode
+    loop's tokens, equal for every variant).
+    """
+    import torch
+
+    from .integrations.transformers import _cache_kwarg
+
+    name = _cache_kwarg(model)
+    with _Attention(model, TRANSFORMERS_VARIANTS[variant][1]), torch.no_grad():
+        c = _transformers_cache(model, variant)
+        out = model(input_ids=ids, use_cache=True, **{name: c})
+        tok = out.logits[:, -1:].argmax(-1)
+        tokens, n = [int(tok)], ids.shape[1]
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = model(input_ids=tok, position_ids=torch.tensor([[n]]), use_cache=True, **{name: c})
+            tok = out.logits[:, -1:].argmax(-1)
+            tokens.append(int(tok))
+            n += 1
+        forward = (time.perf_counter() - t0) / steps
+    return {"forward": forward, "generate_long": _transformers_generate(model, ids, variant, steps + 1),
+            "generate_short": _transformers_generate(model, ids, variant, 1), "tokens": tokens}
+
+
+def _transformers_case(repeat: int, steps: int) -> list[dict]:
+    """Per decode step, every :data:`TRANSFORMERS_VARIANTS` cache against ``DynamicCache``, all
+    interleaved in one run (the order reversed every other round), torch on one thread; the best of
+    ``repeat`` timings of each. Target: a step at most 1.1x ``DynamicCache``'s (issue 33)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, ids = tiny_llama()
+        names = list(TRANSFORMERS_VARIANTS)
+        best = {v: {"forward": float("inf"), "generate_long": float("inf"), "generate_short": float("inf")}
+                for v in names}
+        tokens = {}
+        for v in names:  # warm: kernels, allocator, the first forward of each path
+            transformers_decode(model, ids, v, steps=min(steps, 4))
+        for r in range(repeat):
+            for v in (names if r % 2 == 0 else names[::-1]):
+                got = transformers_decode(model, ids, v, steps=steps)
+                tokens[v] = got.pop("tokens")
+                for k, t in got.items():
+                    best[v][k] = min(best[v][k], t)
+    finally:
+        torch.set_num_threads(threads)
+
+    def per_step(v):
+        b = best[v]
+        return b["forward"], max(b["generate_long"] - b["generate_short"], 0.0) / steps
+
+    f0, g0 = per_step("DynamicCache")
+    rows = []
+    for v in names[1:]:
+        f, g = per_step(v)
+        same = tokens[v] == tokens["DynamicCache"]
+        rows.append({
+            "name": f"transformers decode, {v}",
+            "metric": "DynamicCache / cache per step",
+            "ratio": f0 / f,
+            "target": 1 / 1.1,
+            "detail": (f"model forward {f * 1e6:.0f} us/step = {f / f0:.2f}x DynamicCache's {f0 * 1e6:.0f} us; "
+                       f"generate {g * 1e6:.0f} us/step = {g / g0 if g0 else float('nan'):.2f}x "
+                       f"{g0 * 1e6:.0f} us ({steps} steps, batch 1, 1 thread); tokens "
+                       f"{'equal' if same else 'DIFFER'}"),
+            "agree": same,
+            "forward_us_per_step": f * 1e6,
+            "generate_us_per_step": g * 1e6,
+            "dynamic_forward_us_per_step": f0 * 1e6,
+            "dynamic_generate_us_per_step": g0 * 1e6,
+        })
+    return rows
+
+
 # --------------------------------------------------------------------------- table
 
 
@@ -611,18 +786,21 @@ def run_bench(*, quick: bool = False, replay_requests: int = 128, only: Sequence
         Requests of the peer workload replayed through both managers
         (kvref needs ~50 ms per request; 0 means all 2000).
     only : sequence of str, optional
-        Subset of ``{"append", "prepare", "replay", "configs", "retention", "batch"}``
+        Subset of ``{"append", "prepare", "replay", "configs", "retention", "batch", "transformers"}``
         (``retention``: kvfast with and without retention claims, interleaved; ``configs``: one
         manager row per configuration of :data:`MANAGER_CONFIGS`, the scheduler loop of issue 12;
         ``batch``: a decode step of 256 requests through the batch calls, spec/manager.md §17,
-        per configuration of :data:`BATCH_CONFIGS`, against kvref's and the per-request loop).
+        per configuration of :data:`BATCH_CONFIGS`, against kvref's and the per-request loop;
+        ``transformers``: a tiny Llama's decode step with each :data:`TRANSFORMERS_VARIANTS` cache
+        against ``DynamicCache``, skipped with a message on stderr when torch or transformers is
+        not installed).
 
     Returns
     -------
     list of dict
         One per row: ``name``, ``metric``, ``ratio``, ``target``, ``met``, ``detail``.
     """
-    only = set(only or ("append", "prepare", "replay", "configs", "retention", "batch"))
+    only = set(only or SECTIONS)
     rep = 3 if quick else 15
     rows = []
     if "append" in only:
@@ -639,6 +817,12 @@ def run_bench(*, quick: bool = False, replay_requests: int = 128, only: Sequence
         rows.append(_retention_case(32 if quick else 128, 2 if quick else 5))
     if "batch" in only:
         rows += _batch_case(256, 4 if quick else 16, 1 if quick else 5)
+    if "transformers" in only:
+        missing = transformers_available()
+        if missing:
+            print(f"kvcache bench: skipping the transformers section: {missing}", file=sys.stderr)
+        else:
+            rows += _transformers_case(2 if quick else 15, 8 if quick else 50)
     for r in rows:
         r["met"] = r["ratio"] >= r["target"]
     return rows
@@ -655,21 +839,21 @@ def print_table(rows: list[dict], file=None) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``kvcache bench [--quick] [--replay-requests N] [--only append,prepare,replay,configs,retention,batch]
-    [--json PATH]``."""
+    """``kvcache bench [--quick] [--replay-requests N]
+    [--only append,prepare,replay,configs,retention,batch,transformers] [--json PATH]``."""
     ap = argparse.ArgumentParser(prog="kvcache bench", description="kvfast vs kvref / numpy ratio table, one run")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
     ap.add_argument("--replay-requests", type=int, default=128,
                     help="peer-workload requests replayed through both managers (0 = all 2000)")
-    ap.add_argument("--only", default="", help="comma list of append,prepare,replay,configs,retention,batch")
+    ap.add_argument("--only", default="", help=f"comma list of {','.join(SECTIONS)}")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(list(argv) if argv is not None else None)
     if args.replay_requests < 0:
         ap.error(f"--replay-requests={args.replay_requests}, must be >= 0")
     only = [x for x in args.only.split(",") if x] or None
-    bad = set(only or ()) - {"append", "prepare", "replay", "configs", "retention", "batch"}
+    bad = set(only or ()) - set(SECTIONS)
     if bad:
-        ap.error(f"--only: unknown {sorted(bad)}, choose from append,prepare,replay,configs,retention,batch")
+        ap.error(f"--only: unknown {sorted(bad)}, choose from {','.join(SECTIONS)}")
     rows = run_bench(quick=args.quick, replay_requests=args.replay_requests, only=only)
     print_table(rows)
     if args.json:

@@ -375,6 +375,34 @@ def test_packed_rows_need_the_kvcache_attention():
             model(input_ids=torch.tensor([[1, 2, 3]]), position_ids=pos, cache=cache)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["paged", "contiguous"])
+def test_numpy_and_torch_writes_agree(mode, dtype):
+    """``update`` writes and reads through NumPy views of the storage's words; inputs that need grad
+    take the torch path (``index_copy_``, ``index_select``). Same bytes stored, same history returned."""
+    config = tiny_model("qwen2").config                              # one full, two sliding layers of 6
+    gen = torch.Generator().manual_seed(3)
+    caches = [SlotKVCache(config, mode=mode, block_size=4, max_batch_size=2, dtype=dtype) for _ in range(2)]
+    for S in (5, 1, 1, 3, 1):                                        # a prefill, decodes, a chunk, a decode
+        for layer in range(3):
+            k = torch.randn(2, 2, S, 16, generator=gen).to(dtype)
+            v = torch.randn(2, 2, S, 16, generator=gen).to(dtype)
+            got = caches[0].update(k, v, layer)
+            want = caches[1].update(k.clone().requires_grad_(),
+                                    v.clone().requires_grad_(), layer)
+            for a, b in zip(got, want):
+                assert a.dtype == dtype and torch.equal(a, b.detach())
+            assert torch.equal(got[0][:, :, -S:], k) and torch.equal(got[1][:, :, -S:], v)
+    for layer in range(3):
+        assert np.array_equal(np.asarray(caches[0].kv.keys(layer)).view(np.uint8),
+                              np.asarray(caches[1].kv.keys(layer)).view(np.uint8))
+        assert np.array_equal(np.asarray(caches[0].kv.values(layer)).view(np.uint8),
+                              np.asarray(caches[1].kv.values(layer)).view(np.uint8))
+    assert list(caches[0].seq_lens()) == list(caches[1].seq_lens()) == [11, 11]
+    with pytest.raises((RuntimeError, ValueError)):                  # a value of another shape: refused
+        caches[0].update(torch.zeros(2, 2, 1, 16, dtype=dtype), torch.zeros(2, 2, 1, 8, dtype=dtype), 0)
+
+
 def test_a_forward_that_raised_is_dropped():
     model = tiny_model("llama")
     ids = prompts(batch=1)

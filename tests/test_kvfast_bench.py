@@ -151,3 +151,40 @@ def test_decode_batch_agrees_between_calls_and_packages():
                 for pkg in (kvref, kvfast) for batch in (True, False)}
         assert len({(r["hit_tokens"], r["input_tokens"]) for r in seen.values()}) == 1, (config, seen)
         assert all(r["seconds_per_step"] > 0 for r in seen.values())
+
+
+def test_transformers_section_rows_and_skip(capsys, monkeypatch):
+    """``kvcache bench --only transformers`` (issue 33): one row per SlotKVCache variant against
+    DynamicCache, the same greedy tokens everywhere; without torch / transformers it is skipped with
+    a message (no timing assertions)."""
+    import pytest
+
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    rows = bench.run_bench(quick=True, only=["transformers"])
+    assert [r["name"] for r in rows] == [f"transformers decode, {v}" for v in list(bench.TRANSFORMERS_VARIANTS)[1:]]
+    assert all(r["agree"] and r["ratio"] > 0 and isinstance(r["met"], bool) for r in rows)
+    assert all(r["forward_us_per_step"] > 0 and r["dynamic_forward_us_per_step"] > 0 for r in rows)
+    bench.print_table(rows)
+    assert "DynamicCache / cache per step" in capsys.readouterr().out
+    monkeypatch.setattr(bench, "transformers_available", lambda: "torch is not installed (pip install torch)")
+    assert bench.run_bench(quick=True, only=["transformers"]) == []
+    assert "skipping the transformers section: torch is not installed" in capsys.readouterr().err
+
+
+def test_asv_transformers_decode_sets_up():
+    import pytest
+
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(ROOT / "asv_bench"))
+    try:
+        from benchmarks import transformers_decode
+    finally:
+        sys.path.pop(0)
+    b = transformers_decode.TransformersDecode()
+    b.setup("paged, kvfast")
+    try:
+        b.time_generate("paged, kvfast")
+        assert b.track_forward_us_per_step("paged, kvfast") > 0
+    finally:
+        b.teardown("paged, kvfast")

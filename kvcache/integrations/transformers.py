@@ -85,6 +85,24 @@ def _as_torch(arr) -> torch.Tensor:
     return interop.to_torch(arr)
 
 
+def _host_words(arr) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """``(4-D, rows [-1, heads, dim])`` NumPy views of a host cache array's words (bfloat16 as int16), or None."""
+    if not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous or arr.ndim != 4:
+        return None
+    if arr.dtype.name == "bfloat16":
+        arr = arr.view(np.int16)
+    return arr, arr.reshape(-1, arr.shape[2], arr.shape[3])
+
+
+def _attn_implementation(config) -> Optional[str]:
+    """``config._attn_implementation``, read from the instance dict where transformers keeps it (a
+    plain dict look-up: the config's ``__getattribute__`` costs microseconds, once per forward)."""
+    d = getattr(config, "__dict__", {})
+    if "_attn_implementation_internal" in d:
+        return d["_attn_implementation_internal"]
+    return getattr(config, "_attn_implementation", None)
+
+
 def _text_config(api: str, config):
     if not hasattr(config, "get_text_config"):
         raise TypeError(f"{api}: config={type(config).__name__}, must be a transformers PretrainedConfig")
@@ -196,7 +214,8 @@ class SlotKVCache(Cache):
     calls ``prepare_step`` (paged: reserves the step's blocks), each layer's ``update`` scatters
     its K/V through ``step.slot_mapping`` (see ``scatter``) and returns the row's history as torch tensors
     ``[batch, kv_heads, n, head_dim]`` (contiguous mode: zero-copy views of the storage; paged:
-    one gather through ``step.block_table``), and the last layer's ``update`` commits the new
+    zero-copy views while a single row's positions sit in consecutive storage rows, else one
+    gather through ``step.block_table``), and the last layer's ``update`` commits the new
     lengths with ``update_position``. A sliding-window layer returns only its window (as
     ``DynamicSlidingWindowLayer`` does), with the offset ``get_mask_sizes`` reports.
 
@@ -228,8 +247,10 @@ class SlotKVCache(Cache):
         Allocate at once in this dtype (with ``max_batch_size``); it must be the model's.
     scatter : {"torch", "ops"}
         How ``update`` writes a layer's K/V: ``"torch"`` copies them through ``step.slot_mapping``
-        into the live ``keys(l)`` / ``values(l)`` storage (``index_copy_``; the slot cache's
-        documented binding, no conversion since the storage is in the model's dtype), ``"ops"``
+        into the live ``keys(l)`` / ``values(l)`` storage (the slot cache's documented binding, no
+        conversion since the storage is in the model's dtype; the copy runs on zero-copy NumPy views
+        of both sides, a microsecond where torch's indexing costs several, and as ``index_copy_``
+        for inputs that need grad), ``"ops"``
         calls the backend's ``ops.append_kv`` (its checks and kernels). Same bytes either way.
 
     Attributes
@@ -307,10 +328,20 @@ class SlotKVCache(Cache):
         self._dtype = dtype
         self._lengths = np.zeros(seqs, np.int64)
         # paged: flat storage row of every position of every slot, kept up to date step by step
-        self._flat = torch.zeros(seqs, self.max_seq_len, dtype=torch.int64)
+        self._flat = np.zeros((seqs, self.max_seq_len), np.int64)
         self._flat_ok = np.zeros(seqs, np.int64)   # leading positions of each slot whose row is known
+        self._run = np.zeros(seqs, np.bool_)       # those positions sit in consecutive storage rows
+        self._r0 = None                            # a one-row step's: the storage row of position 0
         self._keys = [_as_torch(self._kv.keys(i)) for i in range(self.num_layers)]
         self._values = [_as_torch(self._kv.values(i)) for i in range(self.num_layers)]
+        # The same storage as NumPy arrays of the storage's words (bfloat16 as int16), 4-D and as
+        # rows [-1, kv_heads, head_dim]: a decode step's tiny writes and gathers cost about a
+        # microsecond each in NumPy against several in torch (see docs/transformers.md). None where
+        # the storage is not a C-contiguous host array (then the torch ops run instead).
+        self._kw = [_host_words(self._kv.keys(i)) for i in range(self.num_layers)]
+        self._vw = [_host_words(self._kv.values(i)) for i in range(self.num_layers)]
+        self._host = all(w is not None for w in self._kw + self._vw)
+        self._bf16 = dtype is torch.bfloat16
         for layer in self.layers:
             layer.is_initialized = True
 
@@ -410,7 +441,7 @@ class SlotKVCache(Cache):
                                               np.arange(B + 1, dtype=np.int64) * S)
             rows, q, cu = shape
             past = self._lengths[:B].copy()
-        self._varlen = getattr(self._config, "_attn_implementation", None) == ATTENTION_NAME
+        self._varlen = _attn_implementation(self._config) == ATTENTION_NAME
         if not self._varlen and (packed or (B > 1 and np.any(past != past[0]))):
             raise ValueError(f"{api}: packed rows and rows of unequal lengths need "
                              f"attn_implementation={ATTENTION_NAME!r} (the model runs "
@@ -420,31 +451,74 @@ class SlotKVCache(Cache):
         self._hist = {}
         self._done = [False] * self.num_layers
         sm = step.slot_mapping
-        self._sm = torch.from_numpy(sm if sm.dtype == np.int64 else sm.astype(np.int64))
-        if not self._varlen and self.mode == "paged":
+        self._sm_np = sm = sm if sm.dtype == np.int64 else sm.astype(np.int64)
+        self._sm = None                        # its torch twin, made if a torch write needs it
+        self._shape = (B, self.kv_heads, S, self.head_dim)   # every layer's K/V of this step
+        self._wrow = int(sm[0]) if B * S == 1 else None       # a one-token step's storage row
+        self._np_write = self.scatter == "torch" and self._host
+        if not self._varlen:
             p0 = int(past[0])
-            for b in np.flatnonzero(self._flat_ok[:B] < p0).tolist():   # rows not followed step by step
-                pos = np.arange(p0)
-                flat = np.asarray(step.block_table[b], dtype=np.int64)[pos // self.block_size] * self.block_size
-                self._flat[b, :p0] = torch.from_numpy(flat + pos % self.block_size)
-            self._flat[:B, p0:p0 + S] = self._sm.view(B, S)
-            self._flat_ok[:B] = p0 + S
+            self._span = (p0, p0 + S)          # every row's positions of this step
+            if self.mode == "paged":
+                ok, flat, run = self._flat_ok, self._flat, self._run
+                if ok[0] < p0 if B == 1 else bool((ok[:B] < p0).any()):   # rows not followed step by step
+                    pos = np.arange(p0)
+                    for b in np.flatnonzero(ok[:B] < p0).tolist():
+                        blocks = np.asarray(step.block_table[b], dtype=np.int64)[pos // self.block_size]
+                        flat[b, :p0] = blocks * self.block_size + pos % self.block_size
+                        run[b] = bool(np.all(np.diff(flat[b, :p0]) == 1))
+                flat[:B, p0:p0 + S] = sm.reshape(B, S)
+                ok[:B] = p0 + S
+                self._r0 = None
+                if B == 1:   # one row whose positions [0, n) sit in consecutive storage rows: views, no gather
+                    r = (not p0 or (run[0] and int(sm[0]) == int(flat[0, p0 - 1]) + 1)) and (
+                        S == 1 or bool(np.all(np.diff(sm) == 1)))
+                    run[0] = r
+                    if r:
+                        self._r0 = int(flat[0, 0])
+                else:
+                    run[:B] = False
 
     def _commit(self) -> None:
         """Close the forward: every row's new length, committed with ``update_position``."""
         n = self._past + self._q
-        for slot, m in zip(self._rows.tolist(), n.tolist()):
+        if n.size == 1:
+            slot, m = int(self._rows[0]), int(n[0])
             self._kv.update_position(slot, m)
-        self._lengths[self._rows] = n
+            self._lengths[slot] = m
+        else:
+            for slot, m in zip(self._rows.tolist(), n.tolist()):
+                self._kv.update_position(slot, m)
+            self._lengths[self._rows] = n
         self._written = 0
 
     def _history(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the step's rows after the append: ``[B, kv_heads, n - offset, head_dim]``."""
         w = self.windows[layer]
-        past = int(self._past[0])
-        n = past + int(self._q[0])
-        off = 0 if w is None else max(past - w + 1, 0)
+        past, n = self._span
+        off = 0 if w is None or past < w else past - w + 1
         B = self._rows.size
+        if self._host:                         # NumPy views / takes of the storage's words, then torch views
+            if self.mode == "contiguous":      # zero-copy views of the slots' rows
+                k = self._kw[layer][0][:B, off:n].transpose(0, 2, 1, 3)
+                v = self._vw[layer][0][:B, off:n].transpose(0, 2, 1, 3)
+            elif self._r0 is not None:         # consecutive storage rows: zero-copy views
+                a = self._r0
+                k = self._kw[layer][1][a + off:a + n].transpose(1, 0, 2)[None]
+                v = self._vw[layer][1][a + off:a + n].transpose(1, 0, 2)[None]
+            else:
+                rows = self._hist.get(off)
+                if rows is None:               # flat storage rows of positions [off, n), once per step
+                    r = self._flat[:B, off:n]
+                    rows = self._hist[off] = r[0] if B == 1 else r.reshape(-1)
+                Kr, Vr = self._kw[layer][1], self._vw[layer][1]
+                H, D = Kr.shape[1], Kr.shape[2]
+                k = Kr.take(rows, axis=0).reshape(B, n - off, H, D).transpose(0, 2, 1, 3)
+                v = Vr.take(rows, axis=0).reshape(B, n - off, H, D).transpose(0, 2, 1, 3)
+            k, v = torch.from_numpy(k), torch.from_numpy(v)
+            if self._bf16:
+                return k.view(torch.bfloat16), v.view(torch.bfloat16)
+            return k, v
         K, V = self._keys[layer], self._values[layer]
         if self.mode == "contiguous":          # zero-copy views of the slots' rows
             return K[:B, off:n].permute(0, 2, 1, 3), V[:B, off:n].permute(0, 2, 1, 3)
@@ -452,6 +526,7 @@ class SlotKVCache(Cache):
         if rows is None:                       # flat storage rows of positions [off, n), once per step
             r = self._flat[:B, off:n]
             rows = self._hist[off] = r[0] if B == 1 else r.reshape(-1)
+        rows = torch.from_numpy(rows)
         H, D = K.shape[-2], K.shape[-1]
         k = K.view(-1, H, D).index_select(0, rows).view(B, n - off, H, D)
         v = V.view(-1, H, D).index_select(0, rows).view(B, n - off, H, D)
@@ -505,18 +580,46 @@ class SlotKVCache(Cache):
             raise ValueError(f"SlotKVCache.update: layer_idx={layer_idx} out of range [0, {self.num_layers}) or "
                              "written twice in one forward")
         done[layer_idx] = True
-        B, H, S, D = key_states.shape
-        T = B * S
-        if key_states.shape != (B, self.kv_heads, S, self.head_dim) or T != self._step.num_tokens:
-            raise ValueError(f"SlotKVCache.update: key_states.shape={tuple(key_states.shape)}, the step needs "
-                             f"{self._step.num_tokens} tokens of [{self.kv_heads}, {self.head_dim}]")
-        k = key_states.transpose(1, 2).reshape(T, H, D)   # a view for decode (S == 1) and for packed rows
-        v = value_states.transpose(1, 2).reshape(T, H, D)
-        if self.scatter == "torch":                        # the slot_mapping binding on the live storage
-            self._keys[layer_idx].view(-1, H, D).index_copy_(0, self._sm, k)
-            self._values[layer_idx].view(-1, H, D).index_copy_(0, self._sm, v)
+        shape = key_states.shape
+        if shape != self._shape:               # (the step's own shape passes without a second look)
+            B, H, S, D = shape
+            if shape != (B, self.kv_heads, S, self.head_dim) or B * S != self._step.num_tokens:
+                raise ValueError(f"SlotKVCache.update: key_states.shape={tuple(shape)}, the step needs "
+                                 f"{self._step.num_tokens} tokens of [{self.kv_heads}, {self.head_dim}]")
+        kn = None
+        if self._np_write and value_states.shape == shape and value_states.dtype is key_states.dtype:
+            try:                               # zero-copy NumPy views of the inputs' words
+                if self._bf16:
+                    kn, vn = key_states.view(torch.int16).numpy(), value_states.view(torch.int16).numpy()
+                else:
+                    kn, vn = key_states.numpy(), value_states.numpy()
+            except (RuntimeError, TypeError):  # inputs that need grad, or not on the CPU: the torch write
+                kn = None
+        if kn is not None:                     # the slot_mapping binding on the live storage
+            row = self._wrow
+            if row is not None:                # one token: [1, H, 1, D] into storage row `row`
+                self._kw[layer_idx][1][row] = kn[0, :, 0]
+                self._vw[layer_idx][1][row] = vn[0, :, 0]
+            else:
+                B, H, S, D = shape
+                if S == 1:                     # decode rows: [B, H, 1, D] -> [B, H, D], views
+                    kn, vn = kn[:, :, 0], vn[:, :, 0]
+                else:
+                    kn = kn.transpose(0, 2, 1, 3).reshape(B * S, H, D)
+                    vn = vn.transpose(0, 2, 1, 3).reshape(B * S, H, D)
+                self._kw[layer_idx][1][self._sm_np] = kn
+                self._vw[layer_idx][1][self._sm_np] = vn
         else:
-            self._pkg.ops.append_kv(self._kv, layer_idx, k, v, self._step)
+            B, H, S, D = shape
+            k = key_states.transpose(1, 2).reshape(B * S, H, D)   # a view for decode (S == 1) and for packed rows
+            v = value_states.transpose(1, 2).reshape(B * S, H, D)
+            if self.scatter == "torch":        # the same binding through torch
+                if self._sm is None:
+                    self._sm = torch.from_numpy(self._sm_np)
+                self._keys[layer_idx].view(-1, H, D).index_copy_(0, self._sm, k)
+                self._values[layer_idx].view(-1, H, D).index_copy_(0, self._sm, v)
+            else:
+                self._pkg.ops.append_kv(self._kv, layer_idx, k, v, self._step)
         self._written += 1
         self._pending = layer_idx                          # the layer kvcache_attention may read next
         _ACTIVE.set(self)
@@ -529,8 +632,13 @@ class SlotKVCache(Cache):
         """``ops.varlen_attention`` of the step's packed queries: ``[B, S, q_heads, head_dim]``, query's dtype."""
         B, Hq, S, D = query.shape
         q = query.transpose(1, 2).reshape(B * S, Hq, D)
+        if not q.requires_grad and q.device.type == "cpu":
+            # The attention widens q to float32 either way: widened here (exact, float16 / bfloat16 ->
+            # float32), it goes in and comes out as NumPy, without two torch <-> NumPy conversions.
+            q = (q if q.dtype is torch.float32 else q.float()).numpy()
         out = self._pkg.ops.varlen_attention(q, self._kv, layer, self._step, scale=scaling)
-        return torch.from_numpy(np.asarray(out)).to(query.dtype).view(B, S, Hq, D)
+        out = out if isinstance(out, torch.Tensor) else torch.from_numpy(np.asarray(out))
+        return out.to(query.dtype).view(B, S, Hq, D)
 
     # -- lifecycle
     def release(self, slot: int, tokens: Optional[Sequence[int]] = None) -> None:
