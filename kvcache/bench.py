@@ -483,8 +483,10 @@ def _configs_case(num_requests: int, repeat: int) -> list[dict]:
 
 # --------------------------------------------------------------------------- batch calls (spec/manager.md §17)
 
-#: The five configurations of issue 32's targets (a subset of :data:`MANAGER_CONFIGS`).
-BATCH_CONFIGS = ("one full leaf", "data_parallel_degree=2", "host tier", "full + sliding window", "full + recurrent")
+#: Every configuration of :data:`MANAGER_CONFIGS`, the five of issue 32's targets first (one full
+#: leaf, two replicas, host tier, full + sliding, full + recurrent), then speculative decoding, FP8
+#: and no prefix caching.
+BATCH_CONFIGS = tuple(MANAGER_CONFIGS)
 
 
 def decode_batch(manager_cls, config: str, *, rows: int = 256, steps: int = 16, batch: bool = True,
