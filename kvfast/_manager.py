@@ -252,10 +252,10 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         page = self._page
         if processed > len(req.rows[self._anchor_id]) * page:
             return None  # the policy raises: alloc must be called before the forward
+        if self._single:  # spec/manager.md §5.1 (without prefix caching nothing is ever committed)
+            return req, self._caching and processed >= (req.committed + 1) * page
         if not self._caching:
             return req, bool(self._windows) and self._slides(req, processed // page)
-        if self._single:
-            return req, processed >= (req.committed + 1) * page  # spec/manager.md §5.1
         filled = processed // page
         if min(filled, (ctx._length - 1) // page) > req.committed or (
                 self._state_ids and processed and not processed % page):  # spec/manager.md §5.1, §5.2
@@ -569,13 +569,13 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
 
     def step(self, ctx: TextContext) -> None:
         """Commit what the forward wrote (call after ``ctx.update``); same contract as the reference."""
-        if type(ctx) is not TextContext or not self._lane:
-            return super().step(ctx)
-        plan = self._step_plan(ctx)  # a settled request's step: its plan (the batch calls' too)
+        plan = self._step_plan(ctx) if self._lane else None  # a settled request's step: its plan (the batch calls' too)
         if plan is not None:
             if not plan[1]:
                 plan[0].step_gen += 1  # only the forward is counted (spec/manager.md §5)
                 return
+        elif type(ctx) is not TextContext or not self._lane:
+            return super().step(ctx)
         if not self._single:
             return self._step_leaves(ctx)
         return self._step_one(ctx)
