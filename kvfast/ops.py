@@ -195,20 +195,49 @@ class FastPagedOps(kvref.ops.ReferencePagedOps):
         word = self._WORDS[kv_blocks.dtype.itemsize]
         scatter_paged(kv_blocks.view(word), layer, k.view(word), v.view(word), pages, offsets)
 
-    def attend(self, q, kv_blocks, layer: int, lut, lengths, row_offsets, window: int, scale: float):
+    def scatter_fp8(self, kv_blocks, kv_scales, layer: int, k, v, slot_mapping, fresh, fp8: str) -> None:
+        """The slot cache's quantising append (``kvfast/_numba/fp8.py``'s ``append_fp8``) on layer
+        ``layer``'s K / V planes and scale rows, in place, one scale unit per page (see
+        ``kvref.ops.ReferencePagedOps.scatter_fp8``)."""
+        from ._numba.fp8 import append_fp8
+
+        P = kv_blocks.shape[3]
+        if fresh.size:
+            kv_scales[fresh, :, layer] = 0
+        append_fp8(k, v, kv_blocks[:, 0, layer], kv_blocks[:, 1, layer], kv_scales[:, 0, layer],
+                   kv_scales[:, 1, layer], slot_mapping, P, fp8, _fp8_table(fp8))
+
+    def attend(self, q, kv_blocks, layer: int, lut, lengths, row_offsets, window: int, scale: float,
+               kv_scales=None, fp8: str | None = None):
         from ._numba.paged import attend_paged, decode_table
 
         q = np.ascontiguousarray(q.astype(np.float32, copy=False))
         out = np.zeros(q.shape, np.float32)
-        if kv_blocks.dtype == np.float32:
-            attend_paged(kv_blocks, _NO_TABLE, layer, q, lut, lengths, row_offsets, window, scale, out)
+        if kv_scales is not None:  # FP8 bits through their format's table, times the page-head's scale
+            attend_paged(kv_blocks.view(np.uint8), _fp8_table(fp8), layer, q, lut, lengths, row_offsets, window,
+                         scale, out, kv_scales, True)
+        elif kv_blocks.dtype == np.float32:
+            attend_paged(kv_blocks, _NO_TABLE, layer, q, lut, lengths, row_offsets, window, scale, out,
+                         _NO_SCALES, False)
         else:
             attend_paged(kv_blocks.view(np.uint16), decode_table(kv_blocks.dtype.name), layer, q, lut, lengths,
-                         row_offsets, window, scale, out)
+                         row_offsets, window, scale, out, _NO_SCALES, False)
         return out
 
 
 _NO_TABLE = np.zeros(1, np.float32)
+_NO_SCALES = np.ones((1, 1, 1, 1), np.float32)
+_FP8_TABLES: dict = {}
+
+
+def _fp8_table(fp8: str) -> np.ndarray:
+    """float32 [256]: every bit pattern's value (``kvspec._dtypes.fp8_decode_table``), cached."""
+    got = _FP8_TABLES.get(fp8)
+    if got is None:
+        from kvspec._dtypes import fp8_decode_table
+
+        got = _FP8_TABLES[fp8] = fp8_decode_table(fp8)
+    return got
 
 
 class CudaPagedOps(FastPagedOps):
@@ -225,6 +254,17 @@ class CudaPagedOps(FastPagedOps):
 
             return from_torch(kv_blocks)
         return kv_blocks
+
+    def scales_buffer(self, api: str, kv_scales):
+        """``inputs.kv_scales`` as a CuPy array (a CUDA tensor through DLPack, no copy)."""
+        if is_torch(kv_scales):
+            from .interop import from_torch
+
+            return from_torch(kv_scales)
+        if not hasattr(kv_scales, "__cuda_array_interface__"):
+            raise TypeError(f"{api}: inputs.kv_scales={type(kv_scales).__name__}, must be a device array beside a "
+                            "device kv_blocks")
+        return kv_scales
 
     def to_host(self, x) -> np.ndarray:
         """A host NumPy array of ``x``: a device array copied back, a tensor through ``host_array``."""
@@ -269,14 +309,56 @@ class CudaPagedOps(FastPagedOps):
         with cupy().cuda.Device(kv_blocks.device.id):
             paged_append(k, v, kv_blocks, layer, lut, lengths, row_offsets)
 
-    def attend(self, q, kv_blocks, layer: int, lut, lengths, row_offsets, window: int, scale: float):
+    def kv_input_float32(self, api: str, name: str, x):
+        """``x`` as float32 rows on the buffer's device (``kvfast/_cuda/convert.py``; ``TypeError``
+        if not floating)."""
+        from ._cuda.convert import rows_contiguous, to_device_storage
+
+        return rows_contiguous(to_device_storage(api, name, x, np.dtype(np.float32), "float32"))
+
+    def first_nonfinite(self, x) -> int:
+        cp = self._cupy()
+        if x.shape[0] == 0:
+            return -1
+        ok = cp.asnumpy(cp.isfinite(x).reshape(x.shape[0], -1).all(axis=1))  # one device sync
+        bad = np.flatnonzero(~ok)
+        return int(bad[0]) if bad.size else -1
+
+    @staticmethod
+    def _cupy():
+        from ._cuda._module import cupy
+
+        return cupy()
+
+    def scatter_fp8(self, kv_blocks, kv_scales, layer: int, k, v, slot_mapping, fresh, fp8: str) -> None:
+        """``append_kv_fp8.cu``'s three launches (the slot cache's quantising append) on layer
+        ``layer``'s K / V planes of the pages and their scale rows, one scale unit per page."""
+        from ._cuda.append_kv_fp8 import append_kv_fp8 as launch
+
+        cp = self._cupy()
+        it = kv_blocks.dtype.itemsize
+        s = [int(n) // it for n in kv_blocks.strides]
+        H, D, P = int(kv_blocks.shape[4]), int(kv_blocks.shape[5]), int(kv_blocks.shape[3])
+        if s[5] != 1 or (s[4] != D and H > 1):
+            raise ValueError(f"append_kv_paged: kv_blocks strides={tuple(kv_blocks.strides)}: FP8 pages on CUDA "
+                             "need each slot's [kv_heads, head_dim] contiguous")
+        with cp.cuda.Device(kv_blocks.device.id):
+            if fresh.size:
+                kv_scales[cp.asarray(fresh), :, layer] = 0
+            launch(k, v, kv_blocks[:, 0, layer], kv_blocks[:, 1, layer], kv_scales[:, 0, layer],
+                   kv_scales[:, 1, layer], cp.asarray(np.ascontiguousarray(slot_mapping, np.int64)), fp8=fp8,
+                   block_size=P, block_stride=s[0], row_stride=s[3], unit_tokens=P)
+
+    def attend(self, q, kv_blocks, layer: int, lut, lengths, row_offsets, window: int, scale: float,
+               kv_scales=None, fp8: str | None = None):
         from ._cuda._module import cupy
         from ._cuda.convert import query_float32
         from ._cuda.paged_attention import KV_FORMATS, paged_attention as launch
 
         with cupy().cuda.Device(kv_blocks.device.id):
             return launch(query_float32(q), kv_blocks, layer, lut, lengths, row_offsets, window=window, scale=scale,
-                          kv_format=KV_FORMATS[self._logical(kv_blocks)])
+                          kv_format=KV_FORMATS[fp8 if kv_scales is not None else self._logical(kv_blocks)],
+                          kv_scales=kv_scales)
 
 
 _FAST_PAGED = FastPagedOps()
@@ -296,39 +378,48 @@ def _paged_engine(kv_blocks):
     return _CUDA_PAGED
 
 
-def append_kv_paged(kv_blocks, layer: int, k, v, inputs, input_row_offsets, *, layout: str = "thd") -> None:
+def append_kv_paged(kv_blocks, layer: int, k, v, inputs, input_row_offsets, *, layout: str = "thd",
+                    kv_dtype: str | None = None) -> None:
     """Write a step's new K/V into a manager's pages (``kvref.ops.append_kv_paged``; spec/manager.md §18.3).
 
     Token j of row b sits at ``p = inputs.cache_lengths[b] + j`` and goes to
     ``kv_blocks[lookup_table[b, p // page_size], 0 / 1, layer, p % page_size]``; tokens on the
     null page 0 are skipped (padding, dummy rows).
 
+    FP8 pages are quantised with their per-page scales ``inputs.kv_scales`` by the slot cache's
+    rule (spec/manager.md §18.5): ``append_fp8`` of ``kvfast/_numba/fp8.py`` on the CPU, the
+    ``append_kv_fp8.cu`` launches on CUDA, on the layer's K / V planes; the same bytes and scales
+    as kvref's.
+
     Parameters
     ----------
     kv_blocks : [num_blocks, 2, num_layers, page_size, kv_heads, head_dim]
-        float16 / bfloat16 / float32 (CuPy: bfloat16 as ``uint16`` bits); NumPy (Numba kernel),
-        CuPy (``paged_append_kernel``), or a torch view of either.
+        float16 / bfloat16 / float32 / float8_e4m3fn / float8_e5m2 (CuPy: bfloat16 as ``uint16``
+        bits, FP8 as ``uint8`` bits named by ``kv_dtype``); NumPy (Numba kernel), CuPy
+        (``paged_append_kernel``), or a torch view of either.
     layer : int
     k, v : float [T, kv_heads, head_dim] (``"bhsd"``: [B, kv_heads, S, head_dim])
     inputs : KVCacheInputsPerDevice
-        ``manager.runtime_inputs(...).inputs[r]``.
+        ``manager.runtime_inputs(...).inputs[r]`` (FP8: its ``kv_scales`` are written).
     input_row_offsets : int [B + 1]
         Exclusive cumulative sum of each row's new tokens.
     layout : {"thd", "bhsd"}
+    kv_dtype : str, optional
+        As the reference: the FP8 format of a ``uint8`` (CUDA) buffer.
 
     Raises
     ------
     TypeError, IndexError, ValueError
         As the reference; a raise writes nothing.
     """
-    kvref.ops.append_kv_paged(kv_blocks, layer, k, v, inputs, input_row_offsets, layout=layout,
+    kvref.ops.append_kv_paged(kv_blocks, layer, k, v, inputs, input_row_offsets, layout=layout, kv_dtype=kv_dtype,
                               engine=_paged_engine(kv_blocks))
 
 
 def paged_attention(q, kv_blocks, layer: int, inputs, input_row_offsets, *, window: int | None = None,
-                    scale: float | None = None, layout: str = "thd", out_dtype=None):
+                    scale: float | None = None, layout: str = "thd", out_dtype=None, kv_dtype: str | None = None):
     """Causal GQA attention through a manager's pages, float32 (``kvref.ops.paged_attention``,
-    spec/manager.md §18.4).
+    spec/manager.md §18.4); FP8 pages read dequantised (spec/manager.md §18.5).
 
     Parameters
     ----------
@@ -341,6 +432,8 @@ def paged_attention(q, kv_blocks, layer: int, inputs, input_row_offsets, *, wind
         Default ``1 / sqrt(head_dim)``.
     layout : {"thd", "bhsd"}
     out_dtype : {None, "float16", "bfloat16", "float32"}, optional
+    kv_dtype : str, optional
+        As :func:`append_kv_paged`.
 
     Returns
     -------
@@ -354,4 +447,5 @@ def paged_attention(q, kv_blocks, layer: int, inputs, input_row_offsets, *, wind
         As the reference.
     """
     return kvref.ops.paged_attention(q, kv_blocks, layer, inputs, input_row_offsets, window=window, scale=scale,
-                                     layout=layout, out_dtype=out_dtype, engine=_paged_engine(kv_blocks))
+                                     layout=layout, out_dtype=out_dtype, kv_dtype=kv_dtype,
+                                     engine=_paged_engine(kv_blocks))

@@ -29,6 +29,10 @@ through its ``runtime_inputs``:
 * :func:`paged_attention` attends a step's queries through the same pages
   (causal, optional sliding window, GQA), in float32.
 
+FP8 pages (``spec/manager.md`` §18.5) are written with their scales
+(``inputs.kv_scales``) by the slot cache's quantising append and read
+dequantised.
+
 Their mechanisms are a :class:`ReferencePagedOps` (NumPy here; kvfast passes
 its Numba and CUDA engines).
 """
@@ -575,8 +579,12 @@ def gather_step(cache, layer: int, step: StepIndices, *, padded: bool = True, li
 
 # ----------------------------------------------------------------------------- manager ops (spec/manager.md §18)
 
-#: Storage dtypes of ``kv_blocks`` the manager ops read and write (CuPy keeps bfloat16 as uint16).
-_PAGED_DTYPES = ("float16", "bfloat16", "float32")
+from ._slot_engine import ReferenceSlotEngine  # noqa: E402  (the manager ops' FP8 write reuses its rule)
+
+#: Storage dtypes of ``kv_blocks`` the manager ops read and write (CuPy keeps bfloat16 as uint16, FP8 as
+#: uint8 bit patterns: ``kv_dtype=`` names the format of a uint8 buffer).
+_PAGED_DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2")
+_PAGED_FP8 = ("float8_e4m3fn", "float8_e5m2")
 
 
 class ReferencePagedOps:
@@ -599,6 +607,15 @@ class ReferencePagedOps:
             raise TypeError(f"{api}: kv_blocks={type(kv_blocks).__name__}, must be a numpy.ndarray or a CPU "
                             "torch.Tensor (the manager's get_device_buffer / runtime_inputs kv_blocks)")
         return kv_blocks
+
+    def scales_buffer(self, api: str, kv_scales):
+        """``inputs.kv_scales`` as this engine's array (a CPU torch tensor: its memory, no copy)."""
+        if is_torch(kv_scales) and kv_scales.device.type == "cpu":
+            return host_array(kv_scales)
+        if not isinstance(kv_scales, np.ndarray):
+            raise TypeError(f"{api}: inputs.kv_scales={type(kv_scales).__name__}, must be a numpy.ndarray or a CPU "
+                            "torch.Tensor beside a host kv_blocks")
+        return kv_scales
 
     def to_host(self, x) -> np.ndarray:
         """``x`` as a host NumPy array (an index array of ``inputs``, ``input_row_offsets``)."""
@@ -628,9 +645,50 @@ class ReferencePagedOps:
         kv_blocks[pages[keep], 0, layer, offsets[keep]] = k[keep]
         kv_blocks[pages[keep], 1, layer, offsets[keep]] = v[keep]
 
-    def attend(self, q, kv_blocks, layer: int, lut, lengths, row_offsets, window: int, scale: float):
+    # ------------------------------------------------------------------ FP8 pages (spec/manager.md §18.5)
+
+    def kv_input_float32(self, api: str, name: str, x):
+        """``x`` as float32 (exact; float64 rounded once), ``TypeError`` if not floating: the slot
+        engine's conversion (spec/slot-cache.md §10.2 step 1)."""
+        return _SLOT_REFERENCE.kv_input_float32(api, name, x)
+
+    def first_nonfinite(self, x) -> int:
+        """The first token row of ``x`` holding a NaN or an infinity, else -1."""
+        return _SLOT_REFERENCE.first_nonfinite(x)
+
+    def scatter_fp8(self, kv_blocks, kv_scales, layer: int, k, v, slot_mapping, fresh, fp8: str) -> None:
+        """Quantise ``k`` / ``v`` (float32, finite in every written row) into layer ``layer``'s K and
+        V planes of FP8 ``kv_blocks`` with their scales ``kv_scales[:, 0 | 1, layer]``: the slot
+        cache's quantising append (``ReferenceSlotEngine.scatter_kv_fp8``, spec/slot-cache.md §10.2)
+        with one scale unit per page.
+
+        ``slot_mapping`` (host int64 [T]): ``page * page_size + offset``, -1 for a padding token;
+        ``fresh`` (host int64): the pages whose scales of this layer restart at 0 first (written
+        from their first position, spec/manager.md §18.5). The reference runs the slot engine on
+        dense copies of the touched pages and writes them back.
+        """
+        P = kv_blocks.shape[3]
+        if fresh.size:
+            kv_scales[fresh, :, layer] = 0
+        sm = np.asarray(slot_mapping, dtype=np.int64)
+        real = sm >= 0
+        touched = np.unique(sm[real] // P)
+        if not touched.size:
+            return
+        local = np.full(sm.shape, -1, np.int64)
+        local[real] = np.searchsorted(touched, sm[real] // P) * P + sm[real] % P
+        K, V = kv_blocks[touched, 0, layer], kv_blocks[touched, 1, layer]  # copies [n, P, H, D]
+        Ks, Vs = kv_scales[touched, 0, layer], kv_scales[touched, 1, layer]  # copies [n, H]
+        _SLOT_REFERENCE.scatter_kv_fp8(K, V, Ks, Vs, k, v, local, P)
+        kv_blocks[touched, 0, layer], kv_blocks[touched, 1, layer] = K, V
+        kv_scales[touched, 0, layer], kv_scales[touched, 1, layer] = Ks, Vs
+
+    def attend(self, q, kv_blocks, layer: int, lut, lengths, row_offsets, window: int, scale: float,
+               kv_scales=None, fp8: str | None = None):
         """float32 ``[T, q_heads, head_dim]``: each query over its row's visible keys (see
-        :func:`paged_attention`); a padding query (its own page 0) gives zeros."""
+        :func:`paged_attention`); a padding query (its own page 0) gives zeros. With ``kv_scales``
+        (FP8 pages of format ``fp8``) every key and value is read dequantised: ``float32(x) *
+        kv_scales[page, 0 | 1, layer, head]`` (spec/slot-cache.md §10.3)."""
         T, Hq, D = q.shape
         P, Hk = kv_blocks.shape[3], kv_blocks.shape[4]
         out = np.zeros((T, Hq, D), np.float32)
@@ -648,6 +706,9 @@ class ReferencePagedOps:
             vb = np.zeros((n, Hk, D), np.float32)
             kb[live] = kv_blocks[pages[live], 0, layer, pos[live] % P].astype(np.float32)
             vb[live] = kv_blocks[pages[live], 1, layer, pos[live] % P].astype(np.float32)
+            if kv_scales is not None:  # dequantised, as gather_kv_fp8 reads them
+                kb[live] *= kv_scales[pages[live], 0, layer][:, :, None]
+                vb[live] *= kv_scales[pages[live], 1, layer][:, :, None]
             qpos = past + np.arange(hi - lo)[:, None]
             mask = (pos[None, :] <= qpos) & live[None, :]
             if window > 0:
@@ -667,6 +728,7 @@ class ReferencePagedOps:
 
 
 _REFERENCE_PAGED = ReferencePagedOps()
+_SLOT_REFERENCE = ReferenceSlotEngine()  # the FP8 quantising append of the slot cache, reused (spec/manager.md §18.5)
 
 
 def _check_int(api: str, name: str, value) -> int:
@@ -692,11 +754,56 @@ def _index_array(api: str, name: str, x, engine, ndim: int) -> np.ndarray:
     return h.astype(np.int64)
 
 
-def _paged_plan(api: str, kv_blocks, layer, inputs, input_row_offsets, T: int, engine):
+def _paged_dtype(api: str, kv, kv_dtype) -> str:
+    """The buffer's logical dtype name (spec/manager.md §18.2): its own, CuPy's ``uint16`` as
+    bfloat16, ``uint8`` FP8 bits as ``kv_dtype`` names them; ``TypeError`` for any other."""
+    if kv_dtype is not None and not isinstance(kv_dtype, str):
+        raise TypeError(f"{api}: kv_dtype={kv_dtype!r}, must be a dtype name (str) or None")
+    if kv.dtype == np.uint8:  # a CUDA buffer's FP8 bit patterns (CuPy has no FP8)
+        if kv_dtype not in _PAGED_FP8:
+            raise TypeError(f"{api}: kv_blocks dtype=uint8 holds FP8 bit patterns, pass kv_dtype='float8_e4m3fn' "
+                            f"or 'float8_e5m2' (got kv_dtype={kv_dtype!r})")
+        return kv_dtype
+    name = "bfloat16" if kv.dtype == np.uint16 else kv.dtype.name  # CuPy's bfloat16 is its uint16 bits
+    if name not in _PAGED_DTYPES:
+        raise TypeError(f"{api}: kv_blocks dtype={name}, must be float16, bfloat16, float32, float8_e4m3fn or "
+                        "float8_e5m2")
+    if kv_dtype is not None and kv_dtype != name:
+        raise ValueError(f"{api}: kv_dtype={kv_dtype!r} != kv_blocks dtype={name}")
+    return name
+
+
+def _paged_scales(api: str, inputs, kv, lut, engine):
+    """spec/manager.md §18.5: an FP8 buffer's scales, ``inputs.kv_scales`` float32 ``[num_blocks, 2,
+    num_layers, kv_heads]`` (the engine's array), looked up through ``inputs.scales_lookup_table``,
+    which must equal ``lookup_table`` (the manager passes the same array)."""
+    scales = getattr(inputs, "kv_scales", None)
+    if scales is None:
+        raise TypeError(f"{api}: inputs.kv_scales=None, FP8 kv_blocks need the leaf's scales (the FP8 manager's "
+                        "runtime_inputs, spec/manager.md §16.3)")
+    scales = engine.scales_buffer(api, scales)
+    if scales.dtype != np.float32:
+        raise TypeError(f"{api}: inputs.kv_scales dtype={scales.dtype}, must be float32")
+    NB, _, L = (int(n) for n in kv.shape[:3])
+    want = (NB, 2, L, int(kv.shape[4]))
+    if tuple(int(n) for n in scales.shape) != want:
+        raise ValueError(f"{api}: inputs.kv_scales.shape={tuple(int(n) for n in scales.shape)} != {want} "
+                         "[num_blocks, 2, num_layers, kv_heads] of kv_blocks")
+    slut = getattr(inputs, "scales_lookup_table", None)
+    if slut is not None and slut is not inputs.lookup_table:
+        h = _index_array(api, "inputs.scales_lookup_table", slut, engine, 2)
+        if h.shape != lut.shape or not np.array_equal(h, lut):
+            raise ValueError(f"{api}: inputs.scales_lookup_table != inputs.lookup_table (scales share the values' "
+                             "block ids, spec/manager.md §16.3)")
+    return scales
+
+
+def _paged_plan(api: str, kv_blocks, layer, inputs, input_row_offsets, T: int, engine, kv_dtype=None):
     """spec/manager.md §18.2: the checks of a manager op, in this order, and each token's page.
 
-    Returns ``(kv_blocks, layer, lut, lengths, offsets, pages, slot_offsets)``: ``pages[t]``
-    the page of token t (0: a padding token), ``slot_offsets[t]`` its offset in the page.
+    Returns ``(kv_blocks, layer, lut, lengths, offsets, pages, slot_offsets, name)``: ``pages[t]``
+    the page of token t (0: a padding token), ``slot_offsets[t]`` its offset in the page, ``name``
+    the buffer's logical dtype.
     """
     if kv_blocks is None:
         raise TypeError(f"{api}: kv_blocks=None (a bookkeeping-only manager allocates no buffers, "
@@ -705,10 +812,7 @@ def _paged_plan(api: str, kv_blocks, layer, inputs, input_row_offsets, T: int, e
     if kv.ndim != 6 or kv.shape[1] != 2:
         raise ValueError(f"{api}: kv_blocks.shape={tuple(kv.shape)}, must be [num_blocks, 2, num_layers, page_size, "
                          "kv_heads, head_dim]")
-    name = "bfloat16" if kv.dtype == np.uint16 else kv.dtype.name  # CuPy's bfloat16 is its uint16 bits
-    if name not in _PAGED_DTYPES:
-        raise TypeError(f"{api}: kv_blocks dtype={name}, must be float16, bfloat16 or float32 (FP8 pages carry "
-                        "per-page scales the manager ops do not write, spec/manager.md §18.5)")
+    name = _paged_dtype(api, kv, kv_dtype)
     NB, _, L, P = (int(n) for n in kv.shape[:4])
     layer = _check_index(api, "layer", layer, L)
     for field in ("lookup_table", "cache_lengths"):
@@ -749,7 +853,7 @@ def _paged_plan(api: str, kv_blocks, layer, inputs, input_row_offsets, T: int, e
             c = int(np.flatnonzero(lut[b] >= NB)[0])
             raise IndexError(f"{api}: inputs.lookup_table[{b}, {c}]={int(lut[b, c])} out of range [0, {NB})")
     pages = lut[row_of, col] if T else np.zeros(0, np.int64)
-    return kv, layer, lut, lengths, offsets, pages, pos % P
+    return kv, layer, lut, lengths, offsets, pages, pos % P, name
 
 
 def _paged_heads(api: str, name: str, x, T: int, heads: int, dim: int, *, multiple: bool = False):
@@ -773,7 +877,7 @@ def _num_tokens(api: str, name: str, x, layout: str) -> int:
 
 
 def append_kv_paged(kv_blocks, layer: int, k, v, inputs, input_row_offsets, *, layout: str = "thd",
-                    engine=None) -> None:
+                    kv_dtype: str | None = None, engine=None) -> None:
     """Write a step's new K/V into a manager's pages (spec/manager.md §18.3).
 
     Row b of the batch is ``inputs``' row b (``cache_lengths[b]`` tokens already cached); its
@@ -783,11 +887,18 @@ def append_kv_paged(kv_blocks, layer: int, k, v, inputs, input_row_offsets, *, l
     ``page = lookup_table[b, p // page_size]``. A token whose page is 0 (the null page: a
     dummy row, padding) is skipped: its rows are not read, nothing is written.
 
+    FP8 pages (spec/manager.md §18.5) are quantised by the slot cache's rule (spec/slot-cache.md
+    §10.2) with one scale unit per page: ``inputs.kv_scales[page, 0 | 1, layer, head]`` grows to
+    what the step's tokens need and the page-head is re-quantised; a page written from its first
+    position (offset 0) restarts its scales of this layer at 0 first. ``k`` and ``v`` must be
+    finite in every non-padding token.
+
     Parameters
     ----------
-    kv_blocks : [num_blocks, 2, num_layers, page_size, kv_heads, head_dim], float16 / bfloat16 / float32
-        The leaf's buffer (``inputs.kv_blocks``, ``get_device_buffer(r)``, or a torch view of it);
-        any strides (a slab leaf's view).
+    kv_blocks : [num_blocks, 2, num_layers, page_size, kv_heads, head_dim]
+        float16 / bfloat16 / float32 / float8_e4m3fn / float8_e5m2 (CuPy: bfloat16 as ``uint16``,
+        FP8 as ``uint8`` bits with ``kv_dtype``). The leaf's buffer (``inputs.kv_blocks``,
+        ``get_device_buffer(r)``, or a torch view of it); any strides (a slab leaf's view).
     layer : int
         ``0 <= layer < num_layers``.
     k, v : float [T, kv_heads, head_dim] (``"thd"``) or [B, kv_heads, S, head_dim] (``"bhsd"``)
@@ -795,44 +906,69 @@ def append_kv_paged(kv_blocks, layer: int, k, v, inputs, input_row_offsets, *, l
         device arrays with a device buffer; cast to the buffer's dtype, rounded once (to nearest even).
     inputs : KVCacheInputsPerDevice
         ``manager.runtime_inputs(batches).inputs[r]`` (its ``lookup_table`` uint32 [B, cols] and
-        ``cache_lengths`` uint32 [B] are read).
+        ``cache_lengths`` uint32 [B] are read; FP8: ``kv_scales``, written, and
+        ``scales_lookup_table``, which must equal ``lookup_table``).
     input_row_offsets : int [B + 1]
         Exclusive cumulative sum of each row's new tokens (``ctx.active_length``): 0 first,
         non-decreasing, ``T`` last.
     layout : {"thd", "bhsd"}
         As the slot ops (``spec/slot-cache.md`` §7.4).
+    kv_dtype : str, optional
+        The buffer's dtype name; needed only for a ``uint8`` (CUDA) buffer of FP8 bit patterns
+        (``"float8_e4m3fn"`` / ``"float8_e5m2"``), else it must match the buffer's.
     engine : ReferencePagedOps-like, optional
         The mechanisms (default: NumPy); kvfast passes its Numba / CUDA engines.
 
     Raises
     ------
     TypeError
-        ``kv_blocks`` None, not an array, or FP8; a non-int ``layer``; ``inputs`` without a
+        ``kv_blocks`` None, not an array, or of another dtype; a ``uint8`` buffer without an FP8
+        ``kv_dtype``; FP8 without ``inputs.kv_scales``; a non-int ``layer``; ``inputs`` without a
         lookup table; non-integer index arrays; non-floating ``k``/``v``.
     IndexError
         ``layer`` out of range; a token's position past the lookup table's columns; a page id
         past ``num_blocks``.
     ValueError
-        Shapes, ``input_row_offsets`` or ``layout`` wrong. Every check precedes the write:
-        a raise leaves ``kv_blocks`` unchanged.
+        Shapes, ``input_row_offsets``, ``layout`` or ``kv_dtype`` wrong; FP8: a non-finite value in
+        a non-padding token of ``k`` / ``v`` (named), scales of another shape. Every check precedes
+        the write: a raise leaves ``kv_blocks`` (and the scales) unchanged.
     """
     api = "append_kv_paged"
     engine = _REFERENCE_PAGED if engine is None else engine
     layout = _check_layout(api, layout)
     T = _num_tokens(api, "k", k, layout)
-    kv, layer, lut, lengths, offsets, pages, offs = _paged_plan(api, kv_blocks, layer, inputs, input_row_offsets,
-                                                                 T, engine)
+    kv, layer, lut, lengths, offsets, pages, offs, name = _paged_plan(api, kv_blocks, layer, inputs,
+                                                                       input_row_offsets, T, engine, kv_dtype)
     H, D = int(kv.shape[4]), int(kv.shape[5])
+    scales = _paged_scales(api, inputs, kv, lut, engine) if name in _PAGED_FP8 else None
     k, _ = _tokens_input(api, "k", k, layout, T)
     v, _ = _tokens_input(api, "v", v, layout, T)
+    if scales is not None:
+        return _append_paged_fp8(api, engine, kv, scales, layer, k, v, pages, offs, T, name)
     k = _paged_heads(api, "k", engine.kv_input(api, "k", k, kv), T, H, D)
     v = _paged_heads(api, "v", engine.kv_input(api, "v", v, kv), T, H, D)
     if T:
         engine.scatter(kv, layer, k, v, lut, lengths, offsets, pages, offs)
 
 
+def _append_paged_fp8(api: str, engine, kv, scales, layer: int, k, v, pages, offs, T: int, fp8: str) -> None:
+    """spec/manager.md §18.5: the quantising write of FP8 pages (checks first, then the write)."""
+    H, D, P = int(kv.shape[4]), int(kv.shape[5]), int(kv.shape[3])
+    k = _paged_heads(api, "k", engine.kv_input_float32(api, "k", k), T, H, D)
+    v = _paged_heads(api, "v", engine.kv_input_float32(api, "v", v), T, H, D)
+    sm = np.where(pages > 0, pages * P + offs, -1)  # the slot cache's slot mapping: one unit per page
+    for name, x in (("k", k), ("v", v)):
+        bad = _first_nonfinite_token(engine, x, sm)
+        if bad >= 0:  # spec/slot-cache.md §10.2 step 1: nothing is written
+            raise ValueError(f"{api}: {name}[{bad}] has a non-finite value, FP8 storage needs finite inputs")
+    if T:
+        fresh = np.unique(pages[(pages > 0) & (offs == 0)])  # written from their first position
+        engine.scatter_fp8(kv, scales, layer, k, v, sm, fresh, fp8)
+
+
 def paged_attention(q, kv_blocks, layer: int, inputs, input_row_offsets, *, window: int | None = None,
-                    scale: float | None = None, layout: str = "thd", out_dtype=None, engine=None):
+                    scale: float | None = None, layout: str = "thd", out_dtype=None, kv_dtype: str | None = None,
+                    engine=None):
     """Causal GQA attention of a step's queries through a manager's pages, in float32 (spec/manager.md §18.4).
 
     Query j of row b sits at ``p = cache_lengths[b] + j`` and attends the keys at positions
@@ -840,7 +976,9 @@ def paged_attention(q, kv_blocks, layer: int, inputs, input_row_offsets, *, wind
     ``lookup_table[b]`` from ``kv_blocks[page, 0/1, layer, pos % page_size]``; keys on the null
     page 0 are never read (a sliding leaf's slots below its window), and a query whose own page
     is 0 (padding, a dummy row) gives zeros. Query head h uses K/V head
-    ``h // (q_heads // kv_heads)``. Call it after the step's :func:`append_kv_paged`.
+    ``h // (q_heads // kv_heads)``. Call it after the step's :func:`append_kv_paged`. FP8 pages
+    are read dequantised, ``float32(x) * inputs.kv_scales[page, 0 | 1, layer, head]``
+    (spec/manager.md §18.5).
 
     Parameters
     ----------
@@ -856,7 +994,7 @@ def paged_attention(q, kv_blocks, layer: int, inputs, input_row_offsets, *, wind
         Of ``q`` and of the result.
     out_dtype : {None, "float16", "bfloat16", "float32"}, optional
         The result rounded once to this dtype; None: float32.
-    engine : optional
+    kv_dtype, engine : optional
         As :func:`append_kv_paged`.
 
     Returns
@@ -880,11 +1018,16 @@ def paged_attention(q, kv_blocks, layer: int, inputs, input_row_offsets, *, wind
             raise ValueError(f"{api}: window={window}, must be >= 1 or None")
     like = q if is_torch(q) else None
     T = _num_tokens(api, "q", q, layout)
-    kv, layer, lut, lengths, offsets, pages, _ = _paged_plan(api, kv_blocks, layer, inputs, input_row_offsets, T,
-                                                              engine)
+    kv, layer, lut, lengths, offsets, pages, _, name = _paged_plan(api, kv_blocks, layer, inputs, input_row_offsets,
+                                                                    T, engine, kv_dtype)
     Hk, D = int(kv.shape[4]), int(kv.shape[5])
+    scales = _paged_scales(api, inputs, kv, lut, engine) if name in _PAGED_FP8 else None
     scale = _check_scale(api, scale, D)
     q, bhsd = _tokens_input(api, "q", q, layout, T)
     q = _paged_heads(api, "q", engine.query_input(api, q), T, Hk, D, multiple=True)
-    out = engine.attend(q, kv, layer, lut, lengths, offsets, 0 if window is None else window, scale)
+    w = 0 if window is None else window
+    if scales is None:
+        out = engine.attend(q, kv, layer, lut, lengths, offsets, w, scale)
+    else:  # spec/manager.md §18.5: keys and values dequantised
+        out = engine.attend(q, kv, layer, lut, lengths, offsets, w, scale, kv_scales=scales, fp8=name)
     return _result(api, out, like, bhsd, out_dtype)

@@ -276,13 +276,24 @@ def test_errors_name_argument_and_value_and_change_nothing(engines):
             assert e.host(buf).tobytes() == before, f"{e.name}: a refused call ({msg}) changed the buffer"
 
 
-def test_fp8_pages_are_refused():
+def test_fp8_pages_are_written_with_their_scales():
+    """FP8 pages are no longer refused (spec/manager.md §18.5; tests/test_manager_ops_fp8.py has the
+    differential tests): the write fills the pages and their scales, a non-FP8 dtype is still refused."""
     params = KVCacheParams(page_size=P, num_layers=1, kv_heads=H, head_dim=D, dtype="float8_e4m3fn")
     mgr = kvref.PagedKVCacheManager(params, num_blocks=8, max_batch_size=2, max_seq_len=16)
     c = TextContext("a", np.arange(3, dtype=np.int32))
     mgr.claim(c)
     mgr.alloc(c)
     inp = mgr.runtime_inputs([[c]]).inputs[0]
+    page = int(inp.lookup_table[0, 0])
     for ops in (kvref.ops, kvfast.ops):
-        with pytest.raises(TypeError, match=r"append_kv_paged: kv_blocks dtype=float8_e4m3fn, must be float16"):
-            ops.append_kv_paged(inp.kv_blocks, 0, np.ones((3, H, D)), np.ones((3, H, D)), inp, [0, 3])
+        buf, sc = np.asarray(inp.kv_blocks).copy(), np.asarray(inp.kv_scales).copy()
+        ei = dataclasses.replace(inp, kv_blocks=buf, kv_scales=sc, scales_lookup_table=inp.lookup_table)
+        ops.append_kv_paged(buf, 0, np.ones((3, H, D)), np.ones((3, H, D)), ei, [0, 3])
+        assert np.all(sc[page, :, 0] == 2.0 ** -8)  # 1 needs 2**-8 on e4m3fn (1 <= 448 * 2**-8)
+        np.testing.assert_array_equal(buf[page, :, 0, :3].astype(np.float32) * 2.0 ** -8, 1.0)
+        out = ops.paged_attention(np.ones((3, HQ, D)), buf, 0, ei, [0, 3])
+        np.testing.assert_allclose(out, 1.0, rtol=1e-6)
+        with pytest.raises(TypeError, match=r"append_kv_paged: kv_blocks dtype=int8, must be float16, bfloat16, "
+                                            r"float32, float8_e4m3fn or float8_e5m2"):
+            ops.append_kv_paged(buf.view(np.int8), 0, np.ones((3, H, D)), np.ones((3, H, D)), ei, [0, 3])

@@ -2,7 +2,8 @@
 
 The manager's ops on CUDA (spec/manager.md §18): the lookup table, the cache lengths and the
 row offsets are bound as device arrays; the host has checked them (kvref's policy) before
-either kernel runs.
+either kernel runs. FP8 pages (spec/manager.md §18.5) are written by ``append_kv_fp8.py``'s launches on the
+layer's K / V planes and read here dequantised through ``kv_scales``.
 """
 
 from __future__ import annotations
@@ -65,19 +66,24 @@ def paged_append(key, value, kv, layer: int, lut, lengths, row_offsets) -> None:
           cp.int64(key.strides[0] // it), cp.int64(value.strides[0] // it), *map(cp.int64, _strides(kv))))
 
 
-def paged_attention(q, kv, layer: int, lut, lengths, row_offsets, *, window: int, scale: float, kv_format: int):
+def paged_attention(q, kv, layer: int, lut, lengths, row_offsets, *, window: int, scale: float, kv_format: int,
+                    kv_scales=None):
     """float32 ``[T, q_heads, head_dim]``: the attention of ``q`` through ``kv`` (spec/manager.md §18.4).
 
     Parameters
     ----------
     q : cupy.ndarray float32 [T, q_heads, head_dim]
     kv : cupy.ndarray [num_blocks, 2, num_layers, page_size, kv_heads, head_dim]
-        float32 (``uint32`` words are not accepted: pass the float32 array), float16, or ``uint16``
-        bfloat16 bits; ``kv_format`` says which (:data:`KV_FORMATS`).
+        float32 (``uint32`` words are not accepted: pass the float32 array), float16, ``uint16``
+        bfloat16 bits, or ``uint8`` FP8 bits (with ``kv_scales``); ``kv_format`` says which
+        (:data:`KV_FORMATS`).
     window : int
         0 for full attention.
     scale : float
         The score scale (passed to the kernel as its float32 bits).
+    kv_scales : cupy.ndarray float32 [num_blocks, 2, num_layers, kv_heads], optional
+        FP8 pages' scales (any strides): each key and value read as ``float(x) * scale``
+        (spec/manager.md §18.5). Required for FP8 formats, refused otherwise.
     """
     cp = cupy()
     q = cp.ascontiguousarray(q, dtype=cp.float32)
@@ -85,12 +91,25 @@ def paged_attention(q, kv, layer: int, lut, lengths, row_offsets, *, window: int
     out = cp.zeros((T, Hq, D), cp.float32)
     if T == 0:
         return out
+    fp8 = kv_format in (KV_FORMATS["float8_e4m3fn"], KV_FORMATS["float8_e5m2"])
+    if fp8 != (kv_scales is not None) or (fp8 and kv.dtype != cp.uint8):
+        raise ValueError(f"paged_attention: kv_format={kv_format} (kv dtype={kv.dtype}) with kv_scales "
+                         f"{'given' if kv_scales is not None else 'None'}: FP8 (uint8) pages need their scales, "
+                         "no other pages take any")
+    if fp8:
+        if kv_scales.dtype != cp.float32 or kv_scales.shape != (kv.shape[0], 2, kv.shape[2], kv.shape[4]):
+            raise ValueError(f"paged_attention: kv_scales {kv_scales.dtype} {tuple(kv_scales.shape)}, must be "
+                             "float32 [num_blocks, 2, num_layers, kv_heads] of kv")
+        scales, sstrides = kv_scales, tuple(int(n) // 4 for n in kv_scales.strides)
+    else:
+        scales, sstrides = cp.ones((1,), cp.float32), (0, 0, 0, 0)  # every value times 1.0f: exact
     lut, lengths, row_offsets = _tables(lut, lengths, row_offsets)
     kern = get_kernel(FILE, "paged_attention_kernel", kv.dtype.itemsize, kv.device.id)
     threads = int(min(128, -(-Hq // 32) * 32))
     bits = struct.unpack("<I", struct.pack("<f", np.float32(scale)))[0]
     kern((T,), (threads,),
-         (q, kv, lut, lengths, row_offsets, out, cp.int64(T), cp.int64(lengths.shape[0]), cp.int64(lut.shape[1]),
-          cp.int64(layer), cp.int64(Hq), cp.int64(kv.shape[4]), cp.int64(D), cp.int64(kv.shape[3]),
-          cp.int64(window), cp.int64(kv_format), cp.int64(bits), *map(cp.int64, _strides(kv))))
+         (q, kv, lut, lengths, row_offsets, out, scales, cp.int64(T), cp.int64(lengths.shape[0]),
+          cp.int64(lut.shape[1]), cp.int64(layer), cp.int64(Hq), cp.int64(kv.shape[4]), cp.int64(D),
+          cp.int64(kv.shape[3]), cp.int64(window), cp.int64(kv_format), cp.int64(bits), *map(cp.int64, _strides(kv)),
+          *map(cp.int64, sstrides)))
     return out

@@ -84,8 +84,11 @@ def encode_array(bits, M, B, out):
 
 
 @njit(cache=True)
-def _append_one(x, X, S, nxt, sm, kv_heads, head_dim, block_size, units_per_block, unit_tokens, block_stride,
-                row_stride, M, B, max_exp, lut):
+def _append_one(x, X, S, nxt, sm, kv_heads, head_dim, block_size, units_per_block, unit_tokens, M, B, max_exp,
+                lut):
+    # X: uint8 [A, block_size, kv_heads, head_dim], S / nxt: float32 [A * units_per_block, kv_heads], any
+    # strides (the slot cache's storage, or one layer's K or V plane of the manager's pages and scales):
+    # Numba computes each address from the byte strides, in 64-bit arithmetic.
     T = sm.shape[0]
     scr_f = np.zeros(1, np.float32)
     scr_u = scr_f.view(np.uint32)  # a float32's bits: both views of one word
@@ -121,38 +124,39 @@ def _append_one(x, X, S, nxt, sm, kv_heads, head_dim, block_size, units_per_bloc
                 continue
             ratio = old / new
             for r in range(r0, r1):
-                base = blk * block_stride + r * row_stride + h * head_dim
                 for d in range(head_dim):
                     if old == 0:
-                        X[base + d] = 0
+                        X[blk, r, h, d] = 0
                     else:
-                        scr_f[0] = lut[X[base + d]] * ratio
-                        X[base + d] = fp8_encode(scr_u[0], M, B)
+                        scr_f[0] = lut[X[blk, r, h, d]] * ratio
+                        X[blk, r, h, d] = fp8_encode(scr_u[0], M, B)
             S[unit, h] = new
     # 3. fp8_append: the rows, quantised with the committed scales
-    n = kv_heads * head_dim
     for t in range(T):
         slot = sm[t]
         if slot < 0:
             continue
         unit = (slot // block_size) * units_per_block + (slot % block_size) // unit_tokens
-        dst = (slot // block_size) * block_stride + (slot % block_size) * row_stride
-        for e in range(n):
-            scr_f[0] = x[t, e] / S[unit, e // head_dim]
-            X[dst + e] = fp8_encode(scr_u[0], M, B)
+        blk, r = slot // block_size, slot % block_size
+        for h in range(kv_heads):
+            for d in range(head_dim):
+                scr_f[0] = x[t, h * head_dim + d] / S[unit, h]
+                X[blk, r, h, d] = fp8_encode(scr_u[0], M, B)
 
 
 def append_fp8(k, v, K, V, Ks, Vs, slot_mapping, unit_tokens: int, fp8: str, lut: np.ndarray) -> None:
     """Quantise ``k``/``v`` (float32 ``[T, kv_heads, head_dim]``) into FP8 storage ``K``/``V``
-    (``[A, block_size, kv_heads, head_dim]``, C-contiguous) with scales ``Ks``/``Vs`` (float32,
-    ``A * ceil(block_size / unit_tokens) * kv_heads`` elements, C-contiguous); every
-    ``slot_mapping`` entry is ``< A * block_size`` (checked by the caller), ``< 0`` skips."""
+    (``[A, block_size, kv_heads, head_dim]``, any strides: the slot cache's storage or one layer's
+    K / V plane ``kv_blocks[:, 0 | 1, layer]`` of the manager's pages) with scales ``Ks``/``Vs``
+    (float32: C-contiguous with ``A * ceil(block_size / unit_tokens) * kv_heads`` elements, or
+    ``[A * units_per_block, kv_heads]`` rows of any strides, as the manager's
+    ``kv_scales[:, 0 | 1, layer]``), in place; every ``slot_mapping`` entry is ``< A * block_size``
+    (checked by the caller), ``< 0`` skips."""
     A, bs, H, D = K.shape
     upb = -(-bs // unit_tokens)
     M, B, max_exp = FP8_FORMAT[fp8]
     sm = np.ascontiguousarray(slot_mapping, dtype=np.int64)
     for x, X, S in ((k, K, Ks), (v, V, Vs)):
         x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(x.shape[0], H * D)
-        S2 = S.reshape(A * upb, H)
-        _append_one(x2, X.reshape(-1).view(np.uint8), S2, S2.copy(), sm, H, D, bs, upb, unit_tokens,
-                    bs * H * D, H * D, M, B, max_exp, lut)
+        S2 = S if S.shape == (A * upb, H) else S.reshape(A * upb, H)  # rows of any strides stay a view
+        _append_one(x2, X.view(np.uint8), S2, S2.copy(), sm, H, D, bs, upb, unit_tokens, M, B, max_exp, lut)

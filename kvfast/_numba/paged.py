@@ -11,7 +11,11 @@ computes every address from its byte strides in 64-bit arithmetic.
 * :func:`attend_paged` computes in float32: per query (token, head) one pass for the largest
   score, one for the weights and the weighted values, then the division. A 16-bit buffer
   (float16 or bfloat16 bits as ``uint16``) is read through a 65536-entry float32 table of its
-  values (exact); a float32 buffer directly.
+  values (exact); a float32 buffer directly; FP8 pages (``uint8`` bits) through the 256-entry
+  table of their format, times their page-head's scale (spec/manager.md §18.5).
+
+The FP8 write is the slot cache's quantising append, ``kvfast/_numba/fp8.py``'s ``append_fp8``,
+run on one layer's K / V plane of the pages with one scale unit per page.
 """
 
 from __future__ import annotations
@@ -56,10 +60,13 @@ def _value_of(kv, table, x):
 
 
 @njit(cache=True, nogil=True)
-def attend_paged(kv, table, layer, q, lut, lengths, row_offsets, window, scale, out):
+def attend_paged(kv, table, layer, q, lut, lengths, row_offsets, window, scale, out, scales, scaled):
     """float32 attention of ``q [T, q_heads, head_dim]`` into the zeroed ``out`` (spec/manager.md §18.4).
 
-    ``kv`` float32, or ``uint16`` words read through ``table`` (:func:`decode_table`); ``lut``
+    ``kv`` float32, or ``uint16`` words read through ``table`` (:func:`decode_table`), or FP8
+    ``uint8`` bits read through ``kvspec._dtypes.fp8_decode_table`` and, with ``scaled``, times
+    ``scales[page, 0 | 1, layer, kv_head]`` (float32 ``[num_blocks, 2, num_layers, kv_heads]``:
+    the dequantised value, spec/manager.md §18.5; unscaled, ``scales`` is not read); ``lut``
     int64 [B, cols], ``lengths`` int64 [B], ``row_offsets`` int64 [B + 1]; ``window`` 0 for
     full attention.
     """
@@ -93,9 +100,10 @@ def attend_paged(kv, table, layer, q, lut, lengths, row_offsets, window, scale, 
                     if pg <= 0:
                         continue
                     o = key % P
+                    ks = scales[pg, 0, layer, kh] if scaled else np.float32(1.0)
                     s = np.float32(0.0)
                     for d in range(D):
-                        s += q[t, h, d] * value_of(kv, table, kv[pg, 0, layer, o, kh, d])
+                        s += q[t, h, d] * (value_of(kv, table, kv[pg, 0, layer, o, kh, d]) * ks)
                     s *= sc
                     scores[key - k0] = s
                     if not seen or s > m:
@@ -111,10 +119,11 @@ def attend_paged(kv, table, layer, q, lut, lengths, row_offsets, window, scale, 
                     if pg <= 0:
                         continue
                     o = key % P
+                    vs = scales[pg, 1, layer, kh] if scaled else np.float32(1.0)
                     w = np.exp(scores[key - k0] - m)
                     total += w
                     for d in range(D):
-                        acc[d] += w * value_of(kv, table, kv[pg, 1, layer, o, kh, d])
+                        acc[d] += w * (value_of(kv, table, kv[pg, 1, layer, o, kh, d]) * vs)
                 for d in range(D):
                     out[t, h, d] = acc[d] / total
 

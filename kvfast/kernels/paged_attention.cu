@@ -8,9 +8,12 @@
 //                   s0..s5 in elements (any strides: a slab leaf's view, spec/manager.md §13.1).
 //                   T = u32: float32; u16: float16 (kv_format 1) or bfloat16 bits (kv_format 2);
 //                   u8: FP8 bits, float8_e4m3fn (kv_format 3) or float8_e5m2 (kv_format 4),
-//                   read unscaled (the ops refuse FP8 pages: their scales are per page,
-//                   spec/manager.md §18.5; the entry exists as every kvfast kernel has its
-//                   u8/u16/u32 forms).
+//                   read dequantised through scales (spec/manager.md §18.5; FP8 pages are
+//                   written by append_kv_fp8.cu's launches, not by paged_append_kernel).
+//   scales          float32, element (page, kv, layer, kv_head) at page * ss0 + kv * ss1 +
+//                   layer * ss2 + kv_head * ss3 (the manager's kv_scales [num_blocks, 2,
+//                   num_layers, kv_heads]); a stored value x stands for float(x) * its scale.
+//                   Non-FP8 launches pass one 1.0f with ss0..ss3 = 0 (exact: x * 1.0f == x).
 //   lut             u32 [num_rows, lut_cols]: row b's pages in position order, 0 = the null page
 //   lengths         u32 [num_rows]: cache_lengths, tokens already cached per row
 //   row_offsets     i64 [num_rows + 1]: the step's tokens of row b are row_offsets[b] .. [b + 1]
@@ -31,7 +34,8 @@
 //          paged_attention_kernel grid (num_tokens), block (min(q_heads, 128) rounded up to a
 //                                 warp); one thread per query head, striding; per query a pass
 //                                 for the largest score, then a pass accumulating exp-weighted
-//                                 values into out, then the division (float32 throughout).
+//                                 values into out, then the division (float32 throughout);
+//                                 each key's and value's scale read once per key.
 //          No shared memory, no __syncthreads: threads share nothing but their inputs.
 #include "common.cuh"
 
@@ -121,9 +125,9 @@ template <typename T>
 __device__ __forceinline__ void paged_attention_impl(
     const float* __restrict__ q, const T* __restrict__ kv, const u32* __restrict__ lut,
     const u32* __restrict__ lengths, const i64* __restrict__ row_offsets, float* __restrict__ out,
-    i64 num_tokens, i64 num_rows, i64 lut_cols, i64 layer, i64 q_heads, i64 kv_heads, i64 head_dim,
-    i64 page_size, i64 window, i64 kv_format, i64 scale_bits, i64 s0, i64 s1, i64 s2, i64 s3, i64 s4,
-    i64 s5) {
+    const float* __restrict__ scales, i64 num_tokens, i64 num_rows, i64 lut_cols, i64 layer, i64 q_heads,
+    i64 kv_heads, i64 head_dim, i64 page_size, i64 window, i64 kv_format, i64 scale_bits, i64 s0, i64 s1,
+    i64 s2, i64 s3, i64 s4, i64 s5, i64 ss0, i64 ss1, i64 ss2, i64 ss3) {
   const i64 t = blockIdx.x;
   if (t >= num_tokens) return;
   const i64 b = pa_row_of(row_offsets, num_rows, t);
@@ -137,14 +141,16 @@ __device__ __forceinline__ void paged_attention_impl(
     const float* __restrict__ qh = q + (t * q_heads + h) * head_dim;
     float* __restrict__ oh = out + (t * q_heads + h) * head_dim;
     const i64 hoff = (h / group) * s4 + layer * s2;
+    const i64 soff = (h / group) * ss3 + layer * ss2;  // this head's K scale of a page; V at + ss1
     float m = 0.0f;
     bool seen = false;
     for (i64 key = k0; key <= p; ++key) {  // pass 1: the largest score
       const i64 page = row[key / page_size];
       if (page == 0) continue;
       const T* __restrict__ kr = kv + page * s0 + (key % page_size) * s3 + hoff;
+      const float ks = scales[page * ss0 + soff];
       float s = 0.0f;
-      for (i64 d = 0; d < head_dim; ++d) s += qh[d] * pa_value<T>(kr[d * s5], kv_format);
+      for (i64 d = 0; d < head_dim; ++d) s += qh[d] * (pa_value<T>(kr[d * s5], kv_format) * ks);
       s *= scale;
       if (!seen || s > m) { m = s; seen = true; }
     }
@@ -156,11 +162,12 @@ __device__ __forceinline__ void paged_attention_impl(
       const i64 at = page * s0 + (key % page_size) * s3 + hoff;
       const T* __restrict__ kr = kv + at;
       const T* __restrict__ vr = kv + at + s1;
+      const float ks = scales[page * ss0 + soff], vs = scales[page * ss0 + soff + ss1];
       float s = 0.0f;
-      for (i64 d = 0; d < head_dim; ++d) s += qh[d] * pa_value<T>(kr[d * s5], kv_format);
+      for (i64 d = 0; d < head_dim; ++d) s += qh[d] * (pa_value<T>(kr[d * s5], kv_format) * ks);
       const float w = expf(s * scale - m);
       total += w;
-      for (i64 d = 0; d < head_dim; ++d) oh[d] += w * pa_value<T>(vr[d * s5], kv_format);
+      for (i64 d = 0; d < head_dim; ++d) oh[d] += w * (pa_value<T>(vr[d * s5], kv_format) * vs);
     }
     for (i64 d = 0; d < head_dim; ++d) oh[d] = oh[d] / total;
   }
@@ -180,12 +187,14 @@ __device__ __forceinline__ void paged_attention_impl(
   extern "C" __global__ void paged_attention_kernel_##T(                                        \
       const float* __restrict__ q, const T* __restrict__ kv, const u32* __restrict__ lut,       \
       const u32* __restrict__ lengths, const i64* __restrict__ row_offsets,                     \
-      float* __restrict__ out, i64 num_tokens, i64 num_rows, i64 lut_cols, i64 layer,           \
-      i64 q_heads, i64 kv_heads, i64 head_dim, i64 page_size, i64 window, i64 kv_format,        \
-      i64 scale_bits, i64 s0, i64 s1, i64 s2, i64 s3, i64 s4, i64 s5) {                         \
-    paged_attention_impl<T>(q, kv, lut, lengths, row_offsets, out, num_tokens, num_rows,        \
-                            lut_cols, layer, q_heads, kv_heads, head_dim, page_size, window,    \
-                            kv_format, scale_bits, s0, s1, s2, s3, s4, s5);                     \
+      float* __restrict__ out, const float* __restrict__ scales, i64 num_tokens, i64 num_rows,  \
+      i64 lut_cols, i64 layer, i64 q_heads, i64 kv_heads, i64 head_dim, i64 page_size,          \
+      i64 window, i64 kv_format, i64 scale_bits, i64 s0, i64 s1, i64 s2, i64 s3, i64 s4, i64 s5, \
+      i64 ss0, i64 ss1, i64 ss2, i64 ss3) {                                                     \
+    paged_attention_impl<T>(q, kv, lut, lengths, row_offsets, out, scales, num_tokens,          \
+                            num_rows, lut_cols, layer, q_heads, kv_heads, head_dim, page_size,  \
+                            window, kv_format, scale_bits, s0, s1, s2, s3, s4, s5, ss0, ss1,    \
+                            ss2, ss3);                                                          \
   }
 
 PAGED_ENTRY(u8)
