@@ -145,6 +145,8 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         #: sliding leaves: (leaf id, blocks in the window), for the decode step's no-slide test
         self._windows = [(leaf.leaf_id, leaf.blocks_in_window) for leaf in self._leaves
                          if leaf.kind is LeafKind.SLIDING_WINDOW]
+        if not self._drafts and not self._state_ids:
+            self._alloc_plan = self._alloc_plan_paged  # the plan without drafts or state rows
         if params.hash_algo == "sha256":
             self._hash1 = _sha256_digest
         else:
@@ -237,6 +239,25 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                 return None
             return req, row, need, need > 0 or states < self._state_len
         return req, row, need, need > 0
+
+    def _alloc_plan_paged(self, ctx) -> tuple | None:
+        """:meth:`_alloc_plan` of a manager without drafts or state leaves (chosen at construction):
+        a context with a speculative state goes to the policy."""
+        if type(ctx) is not TextContext:
+            return None
+        req = self._requests.get(ctx.request_id)
+        if req is None or req.ctx is not ctx or not req.settled or ctx._spec_decoding_state is not None:
+            return None
+        row = req.rows[self._anchor_id]
+        processed = ctx._processed
+        page = self._page
+        if not row or ctx._length > self._max_seq_len or processed < req.committed * page or \
+                processed < req.shared_floor:
+            return None
+        short = processed + ctx._active - len(row) * page
+        if short > 0:
+            return req, row, -(-short // page), True
+        return req, row, 0, False
 
     def _step_plan(self, ctx) -> tuple | None:
         """``(record, commits)`` for ``step(ctx)`` of a claimed, settled request whose rows cover its
