@@ -188,11 +188,14 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         # the growth and the count (spec/manager.md §4).
         plan = self._alloc_plan(ctx) if defer_lookup is False and self._lane else None
         if plan is not None:
-            req, row, need, grows = plan
             if self._loads or self._offloads and self._completions_moved():
                 self._drain()  # spec/manager.md §9.2: finished transfers land before the sizing
-            if grows and not self._grow_rows(req, row, need):
-                return super().alloc(ctx)  # short of pages: the policy waits for offloads or raises
+            if type(plan) is tuple:  # it draws pages
+                req, row, need = plan
+                if not self._grow_rows(req, row, need):
+                    return super().alloc(ctx)  # short of pages: the policy waits for offloads or raises
+            else:
+                req = plan
             self._metrics.input_tokens += req.count_forward(ctx._active)  # spec/manager.md §4.9
             return _DONE
         return self._alloc_fast(ctx, defer_lookup)
@@ -203,10 +206,10 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
     # ``_step_plan`` read a context's slots and its record (changing nothing) and say what its call
     # does, or None when the row is not a running request's plain decode (the policy's then).
 
-    def _alloc_plan(self, ctx) -> tuple | None:
-        """``(record, anchor row, pages per paged row, grows)`` for ``alloc(ctx)`` of a claimed,
-        settled request already holding pages (spec/manager.md §4: only the drain, the sizing and
-        the count); ``grows`` when it draws pages (its paged rows, or a state row's successor,
+    def _alloc_plan(self, ctx):
+        """For ``alloc(ctx)`` of a claimed, settled request already holding pages (spec/manager.md
+        §4: only the drain, the sizing and the count): its record when it draws no page, ``(record,
+        anchor row, pages per paged row)`` when it does (its paged rows, or a state row's successor,
         spec/manager.md §5.2). None otherwise (nothing read beyond the checks)."""
         if type(ctx) is not TextContext:
             return None
@@ -237,10 +240,10 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             states = min([len(req.rows[lid]) for lid in self._state_ids])
             if not states:
                 return None
-            return req, row, need, need > 0 or states < self._state_len
-        return req, row, need, need > 0
+            return (req, row, need) if need > 0 or states < self._state_len else req
+        return (req, row, need) if need > 0 else req
 
-    def _alloc_plan_paged(self, ctx) -> tuple | None:
+    def _alloc_plan_paged(self, ctx):
         """:meth:`_alloc_plan` of a manager without drafts or state leaves (chosen at construction):
         a context with a speculative state goes to the policy."""
         if type(ctx) is not TextContext:
@@ -256,14 +259,14 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
             return None
         short = processed + ctx._active - len(row) * page
         if short > 0:
-            return req, row, -(-short // page), True
-        return req, row, 0, False
+            return req, row, -(-short // page)
+        return req
 
-    def _step_plan(self, ctx) -> tuple | None:
-        """``(record, commits)`` for ``step(ctx)`` of a claimed, settled request whose rows cover its
-        forward (then the step cannot fail): ``commits`` False when it only counts the forward
-        (spec/manager.md §5: no page filled since the last commit, no checkpoint, no slide, or no
-        prefix caching). None otherwise."""
+    def _step_plan(self, ctx):
+        """For ``step(ctx)`` of a claimed, settled request whose rows cover its forward (then the
+        step cannot fail): its record when the step only counts the forward (spec/manager.md §5: no
+        page filled since the last commit, no checkpoint, no slide, or no prefix caching), True
+        when it commits. None otherwise."""
         if type(ctx) is not TextContext:
             return None
         req = self._requests.get(ctx.request_id)
@@ -274,14 +277,14 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         if processed > len(req.rows[self._anchor_id]) * page:
             return None  # the policy raises: alloc must be called before the forward
         if self._single:  # spec/manager.md §5.1 (without prefix caching nothing is ever committed)
-            return req, self._caching and processed >= (req.committed + 1) * page
+            return True if self._caching and processed >= (req.committed + 1) * page else req
         if not self._caching:
-            return req, bool(self._windows) and self._slides(req, processed // page)
+            return True if self._windows and self._slides(req, processed // page) else req
         filled = processed // page
         if min(filled, (ctx._length - 1) // page) > req.committed or (
                 self._state_ids and processed and not processed % page):  # spec/manager.md §5.1, §5.2
-            return req, True
-        return req, bool(self._windows) and self._slides(req, filled)
+            return True
+        return True if self._windows and self._slides(req, filled) else req
 
     def _slides(self, req, filled: int) -> bool:
         """Whether blocks left a sliding leaf's window (spec/manager.md §5.3: the slide frees them)."""
@@ -305,16 +308,16 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                 # (a duplicate's second alloc sizes the first's rows: the policy's loop)
                 if self._loads or self._offloads and self._completions_moved():
                     self._drain()  # spec/manager.md §9.2, §17.2: finished transfers land before the sizing
-                grow = [p for p in plans if p[3]]
+                grow = [p for p in plans if type(p) is tuple]
                 if not grow or self._demand_fits(self._decode_demand(grow)):
                     if grow:
                         grow_rows = self._grow_rows
                         with self._clock_held:  # spec/manager.md §14.7, §17.1: one reading for every pool
-                            for req, row, need, _ in grow:
+                            for req, row, need in grow:
                                 grow_rows(req, row, need)
                     added = 0
                     for p, ctx in zip(plans, ctxs):
-                        added += p[0].count_forward(ctx._active)
+                        added += (p[0] if type(p) is tuple else p).count_forward(ctx._active)
                     self._metrics.input_tokens += added  # spec/manager.md §4.9
                     return [_DONE] * len(ctxs)
                 # short of pages: the policy waits for offloads, or raises all or nothing
@@ -325,7 +328,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         missing successor on a state row (spec/manager.md §5.2), as :meth:`_grow_rows` draws them."""
         demand: dict[int, dict[str, int]] = {}
         full = self._state_len
-        for req, _, need, _ in grow:
+        for req, _, need in grow:
             per = demand.setdefault(req.replica, {})
             for lid, state in self._grow_order:
                 n = full - len(req.rows[lid]) if state else need
@@ -360,11 +363,11 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                 # (a duplicate's second step sees the first's commit: the policy's loop)
                 commit = self._step_one if self._single else self._step_leaves
                 with self._clock_held:  # spec/manager.md §17.1: one clock reading, checked before any change
-                    for (req, commits), ctx in zip(plans, ctxs):
-                        if commits:
+                    for plan, ctx in zip(plans, ctxs):
+                        if plan is True:
                             commit(ctx)
                         else:
-                            req.step_gen += 1  # only the forward is counted
+                            plan.step_gen += 1  # only the forward is counted
                 return
         super().step_many(ctxs)
 
@@ -592,8 +595,8 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         """Commit what the forward wrote (call after ``ctx.update``); same contract as the reference."""
         plan = self._step_plan(ctx) if self._lane else None  # a settled request's step: its plan (the batch calls' too)
         if plan is not None:
-            if not plan[1]:
-                plan[0].step_gen += 1  # only the forward is counted (spec/manager.md §5)
+            if plan is not True:
+                plan.step_gen += 1  # only the forward is counted (spec/manager.md §5)
                 return
         elif type(ctx) is not TextContext or not self._lane:
             return super().step(ctx)
