@@ -1000,8 +1000,10 @@ class _Loop:
         return budget - 1 - len(drafts)
 
     def _schedule_allocs(self, batches, budget: int) -> tuple[int, int]:
-        """``_schedule_running`` without tiers, where ``alloc`` of a running request returns a
-        completed transfer or raises ``InsufficientBlocksError`` and changes no context.
+        """``_schedule_running`` where ``alloc`` of a running request returns a completed transfer
+        or raises ``InsufficientBlocksError`` and changes no context: always without tiers; with
+        tiers while no running request has a failed onload to undo (its ``alloc`` may start a
+        transfer, which ``_alloc_running`` cordons).
 
         The requests the loop would ``alloc`` (those met while the budget lasts and their batch has
         room) are found first, then allocated in one timed loop, then batched (a chunked prefill
@@ -1262,7 +1264,7 @@ class _Loop:
         """The forward of ``rows``: feed each context its token (or next chunk), ``step`` it, track
         its commits, ``release`` it when done."""
         if self.drafts:
-            return self._forward_tiers(rows)  # one row at a time (a speculative decode appends several tokens)
+            return self._forward_drafts(rows)  # one row at a time (a speculative decode appends several tokens)
         # The rows' transfers have landed (the cordon): ``step`` changes no context, so the contexts are fed
         # (and their commits tracked) first and the manager's calls run in one timed loop, in row
         # order (a finished row is released right after its step, before the next row's step).
@@ -1352,7 +1354,9 @@ class _Loop:
         marks[-1] = live
         live.feed = zip(map(live.ctx.update, live.out[g:]), marks)
 
-    def _forward_tiers(self, rows: list[_Live]) -> None:
+    def _forward_drafts(self, rows: list[_Live]) -> None:
+        """``_forward`` with speculative decoding: row by row, each verifying forward appending its
+        accepted drafts and the bonus token, then its ``step`` (and ``release`` when done)."""
         timed, lost = self.call, self.lost
         step = self.mgr.step
         pc = time.perf_counter
