@@ -761,13 +761,11 @@ class KVCacheMetrics:
     def __add__(self, other: "KVCacheMetrics") -> "KVCacheMetrics":
         if not isinstance(other, KVCacheMetrics):
             return NotImplemented
-        return KVCacheMetrics(
-            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)}
-        )
+        return KVCacheMetrics(*map(operator.add, _metric_values(self), _metric_values(other)))
 
     def copy(self) -> "KVCacheMetrics":
         """An independent copy of the counters."""
-        return dataclasses.replace(self)
+        return KVCacheMetrics(*_metric_values(self))
 
     def as_dict(self) -> dict[str, int | float]:
         """Every counter plus ``prompt_tokens`` and ``cache_hit_rate``, as a JSON-ready dict."""
@@ -782,6 +780,11 @@ class KVCacheMetrics:
 
 #: ``lookup_table`` columns are a multiple of this (spec/manager.md §8: ``roundup8(max(1, n))``).
 LUT_ALIGN = 8
+
+
+
+#: Every counter of a ``KVCacheMetrics``, in field order (``copy`` and ``+`` in one C-level read).
+_metric_values = operator.attrgetter(*(f.name for f in dataclasses.fields(KVCacheMetrics)))
 
 
 @dataclass(frozen=True, slots=True)
