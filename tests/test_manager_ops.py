@@ -20,27 +20,10 @@ import kvfast
 import kvref
 from kvspec import KVCacheParams, TextContext
 
+from _dense_attention import dense_attention
+
 H, HQ, D, P, LAYERS = 2, 4, 8, 4, 2
 TOL = dict(rtol=1e-5, atol=1e-6)
-
-
-def _dense(q, k, v, past: int, window=None, scale=None):
-    """float64 causal GQA attention of ``q`` (positions past..) over all ``k``/``v`` of a row."""
-    n, t = k.shape[0], q.shape[0]
-    scale = 1 / np.sqrt(D) if scale is None else scale
-    g = q.shape[1] // k.shape[1]
-    kf = np.repeat(k.astype(np.float64), g, axis=1)
-    vf = np.repeat(v.astype(np.float64), g, axis=1)
-    s = np.einsum("qhd,khd->hqk", q.astype(np.float64), kf) * scale
-    qp = past + np.arange(t)[:, None]
-    kp = np.arange(n)[None, :]
-    mask = kp <= qp
-    if window:
-        mask &= kp > qp - window
-    s = np.where(mask[None], s, -np.inf)
-    w = np.exp(s - s.max(-1, keepdims=True))
-    w /= w.sum(-1, keepdims=True)
-    return np.einsum("hqk,khd->qhd", w, vf)
 
 
 class Engine:
@@ -108,7 +91,8 @@ def _run(engines, dtype="float32", window=None, pkg=kvref, steps=3):
             hk, hv, _ = hist[c.request_id]
             hk.append(k[off[b]:off[b + 1]].astype(stored).astype(np.float32))
             hv.append(v[off[b]:off[b + 1]].astype(stored).astype(np.float32))
-            want = _dense(q[off[b]:off[b + 1]], np.concatenate(hk), np.concatenate(hv), c.processed_length, window)
+            want, _ = dense_attention(q[off[b]:off[b + 1]], np.concatenate(hk), np.concatenate(hv), c.processed_length,
+                                      window)
             np.testing.assert_allclose(outs[0][off[b]:off[b + 1]], want, rtol=1e-5, atol=2e-6,
                                        err_msg=f"kvref vs dense, row {b} step {it}")
         for c in ctxs:

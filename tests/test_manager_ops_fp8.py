@@ -23,6 +23,8 @@ import kvref
 from kvspec import KVCacheParams, TextContext
 from kvspec._dtypes import FP8_DTYPES, fp8_scale
 
+from _dense_attention import dense_attention
+
 H, HQ, D, P, LAYERS = 2, 4, 8, 4, 2
 TOL = dict(rtol=1e-5, atol=1e-6)
 FP8 = ["float8_e4m3fn", "float8_e5m2"]
@@ -82,25 +84,6 @@ def _dequantised(values, scales, layer, row, n):
         x = values[pages, kv, layer, pos % P].astype(np.float32)
         out.append(x * scales[pages, kv, layer][:, :, None])
     return out
-
-
-def _attend64(q, k, v, past, window=None):
-    """float64 causal GQA attention of ``q`` (positions ``past..``) over a row's ``k`` / ``v``; and the
-    float64 weights ``[heads, q, keys]``."""
-    n, t = k.shape[0], q.shape[0]
-    g = q.shape[1] // k.shape[1]
-    kf = np.repeat(k.astype(np.float64), g, axis=1)
-    vf = np.repeat(v.astype(np.float64), g, axis=1)
-    s = np.einsum("qhd,khd->hqk", q.astype(np.float64), kf) / np.sqrt(D)
-    qp = past + np.arange(t)[:, None]
-    kp = np.arange(n)[None, :]
-    mask = kp <= qp
-    if window:
-        mask &= kp > qp - window
-    s = np.where(mask[None], s, -np.inf)
-    w = np.exp(s - s.max(-1, keepdims=True))
-    w /= w.sum(-1, keepdims=True)
-    return np.einsum("hqk,khd->qhd", w, vf), mask
 
 
 def _attention_bound(q, k, kh, v, vh, mask):
@@ -169,11 +152,11 @@ def _run(engines, fp8, pkg=kvref, window=None, steps=3, layer=1):
                 assert np.all(np.abs(X - Xh) <= bound), f"row {b} step {it}: a value past the bound"
             qb = q[off[b]:off[b + 1]]
             # kvref reads exactly the dequantised history (float32 math vs float64 here)
-            want, mask = _attend64(qb, Kh, Vh, c.processed_length, window)
+            want, mask = dense_attention(qb, Kh, Vh, c.processed_length, window)
             np.testing.assert_allclose(outs[0][off[b]:off[b + 1]], want, rtol=1e-5, atol=2e-6 * mag,
                                        err_msg=f"kvref vs dense over the dequantised history, row {b} step {it}")
             # and the float32 inputs' attention within the bound
-            exact, _ = _attend64(qb, K, V, c.processed_length, window)
+            exact, _ = dense_attention(qb, K, V, c.processed_length, window)
             err = np.abs(outs[0][off[b]:off[b + 1]] - exact).max(-1)
             assert np.all(err <= _attention_bound(qb, K, Kh, V, Vh, mask) * (1 + 1e-5) + 1e-5 * mag), \
                 f"row {b} step {it}: attention past §10.2's bound"

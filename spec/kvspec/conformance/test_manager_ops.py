@@ -39,12 +39,9 @@ def _rows(buffer, inp, lengths, layer: int) -> list[np.ndarray]:
     return out
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_append_and_attention_equal_kvref(kv_backend, kv_oracle, dtype):
-    """spec/manager.md §18.3, §18.4: a prefill of two rows, then two decode steps."""
-    ops = _ops(kv_backend)
-    import kvref
-
+def _two_rows(kv_backend, kv_oracle, dtype: str) -> ManagerPair:
+    """A manager pair (backend and kvref) of two layers in ``dtype`` with two claimed requests,
+    ``a`` (7 prompt tokens) and ``b`` (3)."""
     p = ManagerPair(kv_backend, kv_oracle, KVCacheParams(page_size=PAGE, num_layers=2, kv_heads=H, head_dim=D,
                                                          dtype=dtype),
                     num_blocks=16, max_batch_size=4, max_seq_len=32)
@@ -52,14 +49,43 @@ def test_append_and_attention_equal_kvref(kv_backend, kv_oracle, dtype):
     p.new("b", [40, 41, 42])
     for rid in "ab":
         p.ok(f"manager.claim(ctx_{rid})", lambda m, cs, rid=rid: m.claim(cs[rid]))
+    return p
+
+
+def _one_row(kv_backend, kv_oracle, dtype: str):
+    """A one-layer manager pair in ``dtype`` with request ``a`` (5 prompt tokens) claimed and
+    allocated: the pair, then kvref's and the backend's inputs of replica 0."""
+    p = ManagerPair(kv_backend, kv_oracle, KVCacheParams(page_size=PAGE, num_layers=1, kv_heads=H, head_dim=D,
+                                                         dtype=dtype),
+                    num_blocks=8, max_batch_size=2, max_seq_len=16)
+    p.new("a", [1, 2, 3, 4, 5])
+    p.ok("manager.claim(ctx_a)", lambda m, cs: m.claim(cs["a"]))
+    p.ok("manager.alloc(ctx_a)", lambda m, cs: m.alloc(cs["a"]) and None)
+    return p, p.ref.runtime_inputs([[p.ctx_ref["a"]]]).inputs[0], p.sut.runtime_inputs([[p.ctx_sut["a"]]]).inputs[0]
+
+
+def _step_inputs(p: ManagerPair):
+    """One forward of both rows: each ``alloc`` (checked equal on both sides), then kvref's and the
+    backend's inputs of replica 0, the rows' query lengths and their ``input_row_offsets``."""
+    for rid in "ab":
+        p.ok(f"manager.alloc(ctx_{rid})", lambda m, cs, rid=rid: m.alloc(cs[rid]) and None)
+    ref_in = p.ref.runtime_inputs([[p.ctx_ref[r] for r in "ab"]]).inputs[0]
+    sut_in = p.sut.runtime_inputs([[p.ctx_sut[r] for r in "ab"]]).inputs[0]
+    q_lens = [p.ctx_ref[r].active_length for r in "ab"]
+    off = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
+    return ref_in, sut_in, q_lens, off
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_append_and_attention_equal_kvref(kv_backend, kv_oracle, dtype):
+    """spec/manager.md §18.3, §18.4: a prefill of two rows, then two decode steps."""
+    ops = _ops(kv_backend)
+    import kvref
+
+    p = _two_rows(kv_backend, kv_oracle, dtype)
     rng = np.random.default_rng(11)
     for it in range(3):
-        for rid in "ab":
-            p.ok(f"manager.alloc(ctx_{rid})", lambda m, cs, rid=rid: m.alloc(cs[rid]) and None)
-        ref_in = p.ref.runtime_inputs([[p.ctx_ref[r] for r in "ab"]]).inputs[0]
-        sut_in = p.sut.runtime_inputs([[p.ctx_sut[r] for r in "ab"]]).inputs[0]
-        q_lens = [p.ctx_ref[r].active_length for r in "ab"]
-        off = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
+        ref_in, sut_in, q_lens, off = _step_inputs(p)
         T = int(off[-1])
         k, v = (rng.standard_normal((T, H, D)).astype(np.float32) for _ in range(2))
         q = rng.standard_normal((T, HQ, D)).astype(np.float32)
@@ -86,14 +112,7 @@ def test_refused_calls_write_nothing(kv_backend, kv_oracle):
     ops = _ops(kv_backend)
     import kvref
 
-    p = ManagerPair(kv_backend, kv_oracle, KVCacheParams(page_size=PAGE, num_layers=1, kv_heads=H, head_dim=D,
-                                                         dtype="float32"),
-                    num_blocks=8, max_batch_size=2, max_seq_len=16)
-    p.new("a", [1, 2, 3, 4, 5])
-    p.ok("manager.claim(ctx_a)", lambda m, cs: m.claim(cs["a"]))
-    p.ok("manager.alloc(ctx_a)", lambda m, cs: m.alloc(cs["a"]) and None)
-    ref_in = p.ref.runtime_inputs([[p.ctx_ref["a"]]]).inputs[0]
-    sut_in = p.sut.runtime_inputs([[p.ctx_sut["a"]]]).inputs[0]
+    p, ref_in, sut_in = _one_row(kv_backend, kv_oracle, "float32")
     k = np.ones((5, H, D), np.float32)
     before = to_numpy(sut_in.kv_blocks).tobytes()
     for label, args, exc in [("offsets end past the tokens", (k, k, [0, 6]), ValueError),
@@ -146,22 +165,11 @@ def test_fp8_append_and_attention_equal_kvref(kv_backend, kv_oracle, dtype):
     ops = _ops(kv_backend)
     import kvref
 
-    p = ManagerPair(kv_backend, kv_oracle, KVCacheParams(page_size=PAGE, num_layers=2, kv_heads=H, head_dim=D,
-                                                         dtype=dtype),
-                    num_blocks=16, max_batch_size=4, max_seq_len=32)
-    p.new("a", list(range(7)))
-    p.new("b", [40, 41, 42])
-    for rid in "ab":
-        p.ok(f"manager.claim(ctx_{rid})", lambda m, cs, rid=rid: m.claim(cs[rid]))
+    p = _two_rows(kv_backend, kv_oracle, dtype)
     rng = np.random.default_rng(13)
     hist = {r: ([], []) for r in "ab"}
     for it in range(3):
-        for rid in "ab":
-            p.ok(f"manager.alloc(ctx_{rid})", lambda m, cs, rid=rid: m.alloc(cs[rid]) and None)
-        ref_in = p.ref.runtime_inputs([[p.ctx_ref[r] for r in "ab"]]).inputs[0]
-        sut_in = p.sut.runtime_inputs([[p.ctx_sut[r] for r in "ab"]]).inputs[0]
-        q_lens = [p.ctx_ref[r].active_length for r in "ab"]
-        off = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
+        ref_in, sut_in, q_lens, off = _step_inputs(p)
         T = int(off[-1])
         mag = 2.0 ** (3 * it)
         k, v = ((rng.standard_normal((T, H, D)) * mag).astype(np.float32) for _ in range(2))
@@ -205,14 +213,7 @@ def test_fp8_refused_calls_change_nothing(kv_backend, kv_oracle):
     import kvref
 
     dtype = "float8_e4m3fn"
-    p = ManagerPair(kv_backend, kv_oracle, KVCacheParams(page_size=PAGE, num_layers=1, kv_heads=H, head_dim=D,
-                                                         dtype=dtype),
-                    num_blocks=8, max_batch_size=2, max_seq_len=16)
-    p.new("a", [1, 2, 3, 4, 5])
-    p.ok("manager.claim(ctx_a)", lambda m, cs: m.claim(cs["a"]))
-    p.ok("manager.alloc(ctx_a)", lambda m, cs: m.alloc(cs["a"]) and None)
-    ref_in = p.ref.runtime_inputs([[p.ctx_ref["a"]]]).inputs[0]
-    sut_in = p.sut.runtime_inputs([[p.ctx_sut["a"]]]).inputs[0]
+    p, ref_in, sut_in = _one_row(kv_backend, kv_oracle, dtype)
     k = np.ones((5, H, D), np.float32)
     off = np.array([0, 5], np.int64)
     ops.append_kv_paged(sut_in.kv_blocks, 0, k, k, sut_in, off, kv_dtype=dtype)  # a written state
