@@ -9,11 +9,14 @@ block pool, the SHA-256 chain kernel, one-scatter lookup tables),
 (replicas, sliding and recurrent leaves, tiers, in-flight loads) runs the
 policy on that engine.
 
-Lanes, measured and kept on purpose: the calls a scheduler makes every step have
-shorter paths here that do the policy's steps with fewer checks and give the
-same results, errors and block ids (the differential and lane tests compare them
-with kvref); anything a lane does not cover goes to the policy. Which lanes exist
-is decided at construction:
+Plans, measured and kept on purpose: the calls a scheduler makes every step read
+the row they serve once (``_alloc_plan``, ``_step_plan``, ``_inputs_plan``) and,
+when it is a running request's plain decode, apply that plan: the policy's steps
+with fewer checks, the same results, errors and block ids (the differential and
+batch tests compare them with kvref). The single calls and the batch calls
+(``alloc_many``, ``step_many``) share each plan; a row without one goes to the
+policy. Which plans exist is decided at construction; a closed manager
+(spec/manager.md §9.7) has none:
 
 * every leaf set, replica count, connector, draft count and dtype: ``claim``, the
   growth of a request past its admission (``alloc``: the drain, the sizing of every
@@ -36,7 +39,7 @@ is decided at construction:
   admission's splice (when no peer replica holds the block after the local run and
   the tiers hold nothing past it: one connector lookup).
 
-The lanes read one field of the request record, ``settled`` (no load of its
+The plans read one field of the request record, ``settled`` (no load of its
 own, no external stage due, not a dummy row; spec/manager.md §2), instead of
 its five flags.
 """
@@ -124,14 +127,14 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                  device: str = "cpu", connector=None, clock=None, lookup_table_dtype: str = "uint32"):
         super().__init__(params, num_blocks=num_blocks, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                          device=device, connector=connector, clock=clock, lookup_table_dtype=lookup_table_dtype)
-        # Decided here, once. The decode lanes (the claim, the growth of a request past its admission,
-        # the decode step inside a page, the forward's inputs) serve every leaf set, replica count and
+        # Decided here, once. The plans (the claim, the growth of a request past its admission, the
+        # decode step inside a page, the forward's inputs) serve every leaf set, replica count and
         # connector, speculative decoding (spec/manager.md §15: the sizing reads seq_len; a row past
         # its need, which rolls back, goes to the policy) and FP8 scales (spec/manager.md §16: the
-        # inputs carry the scale fields). Cleared by shutdown: a closed manager's calls go to the policy.
-        self._lane = True
-        # One full leaf: the commit of a step, the release and the admission's splice have lanes too.
-        self._single = self._lane and len(self._leaves) == 1 and self._leaves[0].kind is LeafKind.FULL
+        # inputs carry the scale fields). A closed manager's calls (``_closed``, set by shutdown,
+        # spec/manager.md §9.7) go to the policy, which refuses what would change state.
+        # One full leaf: the commit of a step, the release and the admission's splice are planned too.
+        self._single = len(self._leaves) == 1 and self._leaves[0].kind is LeafKind.FULL
         # The admission's splice serves any replica, when no peer holds the block after the local run
         # (else the policy's cross-replica hit, spec/manager.md §7.3) and the tiers hold nothing past
         # it (else the policy's load, spec/manager.md §9.3).
@@ -170,7 +173,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
     def claim(self, ctx: TextContext, replica_idx: int = 0) -> None:
         """Pin ``ctx`` to a replica with empty rows (same contract and errors as the reference)."""
         if (
-            type(ctx) is TextContext and type(replica_idx) is int and 0 <= replica_idx < self._dp and self._lane
+            type(ctx) is TextContext and type(replica_idx) is int and 0 <= replica_idx < self._dp and not self._closed
             and ctx.request_id not in self._requests and ctx._length <= self._max_seq_len
         ):
             self._requests[ctx.request_id] = self._new_request(ctx, replica_idx)
@@ -186,7 +189,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         """
         # A running request's decode sizing: its plan (the batch calls' too), then only the drain,
         # the growth and the count (spec/manager.md §4).
-        plan = self._alloc_plan(ctx) if defer_lookup is False and self._lane else None
+        plan = self._alloc_plan(ctx) if defer_lookup is False and not self._closed else None
         if plan is not None:
             if self._loads or self._offloads and self._completions_moved():
                 self._drain()  # spec/manager.md §9.2: finished transfers land before the sizing
@@ -302,7 +305,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         replica and leaf (so no alloc can fail) is served from the rows' plans in one pass: the
         drain the loop's first ``alloc`` does, the pages drawn in batch order (the loop's block
         ids), the forwards counted. Any other batch goes through the policy's checks and bound."""
-        if type(ctxs) is list and defer_lookup is False and self._lane and ctxs:
+        if type(ctxs) is list and defer_lookup is False and not self._closed and ctxs:
             plans = list(map(self._alloc_plan, ctxs))
             if None not in plans and (len(ctxs) == 1 or len(set(map(id, ctxs))) == len(ctxs)):
                 # (a duplicate's second alloc sizes the first's rows: the policy's loop)
@@ -357,7 +360,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         spec/manager.md §17): a batch of settled requests whose rows cover the forward, each listed
         once (so no step can fail), is served from the rows' plans in batch order under one clock
         reading; any other batch goes through the policy's checks."""
-        if type(ctxs) is list and self._lane and ctxs:
+        if type(ctxs) is list and not self._closed and ctxs:
             plans = list(map(self._step_plan, ctxs))
             if None not in plans and (len(ctxs) == 1 or len(set(map(id, ctxs))) == len(ctxs)):
                 # (a duplicate's second step sees the first's commit: the policy's loop)
@@ -422,11 +425,11 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         return True
 
     def _alloc_fast(self, ctx: TextContext, defer_lookup: bool) -> KVTransfer:
-        """An admission (spec/manager.md §4) after the checks every lane shares: of one full leaf on
+        """An admission (spec/manager.md §4) after the checks every plan shares: of one full leaf on
         any replica, the splice of the device hit, the sizing and, with a connector, the external
         stage when the tiers hold nothing past the hit (one lookup); of several leaves without a
         connector, :meth:`_splice_leaves`; anything else is the policy's."""
-        if self._loads or not self._single and (not self._lane or self._uses_connector):
+        if self._loads or self._closed or not self._single and self._uses_connector:
             return super().alloc(ctx, defer_lookup=defer_lookup)
         op = "alloc"
         # spec/manager.md §4.1: every argument is checked before the stored context may be replaced.
@@ -593,12 +596,12 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
 
     def step(self, ctx: TextContext) -> None:
         """Commit what the forward wrote (call after ``ctx.update``); same contract as the reference."""
-        plan = self._step_plan(ctx) if self._lane else None  # a settled request's step: its plan (the batch calls' too)
+        plan = self._step_plan(ctx) if not self._closed else None  # a settled request's step: its plan (the batch calls' too)
         if plan is not None:
             if plan is not True:
                 plan.step_gen += 1  # only the forward is counted (spec/manager.md §5)
                 return
-        elif type(ctx) is not TextContext or not self._lane:
+        elif type(ctx) is not TextContext or self._closed:
             return super().step(ctx)
         if not self._single:
             return self._step_leaves(ctx)
@@ -729,20 +732,20 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
     def runtime_inputs(self, batches, *, max_cache_length: int | None = None) -> KVCacheInputs:
         """The paged-attention inputs of one forward (same contract and errors as the reference).
 
-        Lane: one batch per replica (empty ones too) of claimed ``TextContext`` rows
+        Planned: one batch per replica (empty ones too) of claimed ``TextContext`` rows
         that hold every block they need, with or without ``max_cache_length`` (a
         CUDA-graph capture width). The lookup tables and cache lengths are built
-        from the rows in a few C-level passes; anything the lane does not prove
+        from the rows in a few C-level passes; anything the plan does not prove
         valid goes to the policy (which raises).
         """
-        if self._lane and type(batches) is list and len(batches) == self._dp and (
+        if not self._closed and type(batches) is list and len(batches) == self._dp and (
                 max_cache_length is None or type(max_cache_length) is int):
-            out = self._inputs_lane(batches, max_cache_length)
+            out = self._inputs_plan(batches, max_cache_length)
             if out is not None:
                 return out
         return super().runtime_inputs(batches, max_cache_length=max_cache_length)
 
-    def _inputs_lane(self, batches: list, max_cache_length: int | None) -> KVCacheInputs | None:
+    def _inputs_plan(self, batches: list, max_cache_length: int | None) -> KVCacheInputs | None:
         """``runtime_inputs(batches, max_cache_length=max_cache_length)`` when every check of
         spec/manager.md §8 passes, else None (nothing changed).
 
@@ -843,7 +846,7 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
 
     def release(self, ctx: TextContext | str) -> None:
         """Free the request's pages, tail first, and forget it (same contract as the reference)."""
-        if not self._lane or self._loads:
+        if self._closed or self._loads:
             return super().release(ctx)
         req = self._requests.get(ctx.request_id) if type(ctx) is TextContext else None
         if req is None or req.ctx is not ctx:
@@ -878,6 +881,5 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
 
     def shutdown(self) -> None:
         """Post queued offloads, wait for every transfer, close the connector (same contract as the
-        reference); the fast lanes close with the manager (spec/manager.md §9.7)."""
-        self._lane = self._single = False
+        reference); afterwards every call goes to the policy (spec/manager.md §9.7)."""
         super().shutdown()

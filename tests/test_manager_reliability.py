@@ -211,8 +211,8 @@ def test_calls_after_shutdown_raise_with_state_unchanged(pkg):
 
 
 @PKGS
-def test_release_after_shutdown_keeps_the_request_fast_lane(pkg):
-    m = _mgr(pkg)  # no connector: kvfast's fast lanes
+def test_release_after_shutdown_keeps_the_request(pkg):
+    m = _mgr(pkg)  # no connector: kvfast's release plan
     ctx, _, _ = _run(m, "a", [1, 2, 3, 4, 5], release=False)
     m.shutdown()
     free = m._free_order()

@@ -178,7 +178,7 @@ def _inputs_fields(out):
     return rows
 
 
-def test_inputs_lane_serves_capture_widths_and_empty_batches(monkeypatch):
+def test_inputs_plan_serves_capture_widths_and_empty_batches(monkeypatch):
     """``runtime_inputs`` with ``max_cache_length`` (a CUDA-graph capture width) and with an empty
     replica batch is served by kvfast's lane (the policy's method is made to fail), with the
     reference's results; every bad width goes to the policy, which raises the reference's error."""

@@ -127,7 +127,7 @@ def _drive(pair, rng, waves=6, wave=5, prefixes=3):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_two_replicas_match_reference(seed):
     pair = _Pair(_params(data_parallel_degree=2), num_blocks=14)
-    assert pair.ms[1]._lane and pair.ms[1]._single  # the lanes serve both replicas
+    assert not pair.ms[1]._closed and pair.ms[1]._single  # the plans serve both replicas
     errors = _drive(pair, np.random.default_rng(seed))
     assert errors  # the pool is small enough that growth fails on some replica
     pair.ms[1].check_invariants()
@@ -140,7 +140,7 @@ def test_host_tier_matches_reference(seed):
     params = _params(host_offload_bytes=64 * _params().kv_page_bytes, allocate_buffers=False)
     pair = _Pair(params, num_blocks=16)  # small: prefixes are evicted on the device, loaded from the host
     # decode, inputs, step and release lanes, and the admission's (its external stage asks once)
-    assert pair.ms[1]._lane and pair.ms[1]._single and pair.ms[1]._uses_connector
+    assert not pair.ms[1]._closed and pair.ms[1]._single and pair.ms[1]._uses_connector
     asked = ([], [])
     for side, ms in enumerate(pair.ms):
         real = ms._connector.lookup
@@ -155,7 +155,7 @@ def test_host_tier_matches_reference(seed):
         ms.shutdown()
 
 
-def test_inputs_lane_refuses_what_the_policy_refuses_on_two_replicas():
+def test_inputs_plan_refuses_what_the_policy_refuses_on_two_replicas():
     pair = _Pair(_params(data_parallel_degree=2), num_blocks=24)
     a, b = pair.add("a", np.arange(9)), pair.add("b", np.arange(20, 27))
     pair.call("claim", 0, j=a)
