@@ -97,6 +97,8 @@ def _assert_same(ref: Any, got: Any, where: str) -> None:
         a, b = to_numpy(ref), to_numpy(got)
         if a.dtype.name == "bfloat16" and b.dtype == np.uint16:
             b = b.view(a.dtype)  # spec/types.md: CuPy has no bfloat16; a CUDA backend hands out its uint16 bit patterns
+        elif a.dtype.name in ("float8_e4m3fn", "float8_e5m2") and b.dtype == np.uint8:
+            b = b.view(a.dtype)  # spec/manager.md §16.1: a CUDA buffer holds FP8 as its uint8 bit patterns
         if a.dtype != b.dtype:
             raise AssertionError(f"{where}: dtype={b.dtype}, kvref has {a.dtype}")
         if a.shape != b.shape:
