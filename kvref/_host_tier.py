@@ -91,9 +91,6 @@ class HostTier(EntryIndex):
     def used_slots(self) -> int:
         return self._fresh - len(self._released)
 
-    def _has_free_slot(self) -> bool:
-        return bool(self._released) or self._fresh < self.num_slots
-
     def _pop_slot(self) -> int:
         if self._released:
             return self._released.pop()
@@ -102,17 +99,20 @@ class HostTier(EntryIndex):
 
     # ------------------------------------------------------------------ mutations
 
-    def reserve(self, block_hash: bytes, tokens: np.ndarray, *, copy_evicted: bool) -> tuple[HostEntry | None, list[Evicted]]:
+    def reserve(self, block_hash: bytes, tokens: np.ndarray, *, copy_evicted: bool,
+                ready: bool = False) -> tuple[HostEntry | None, list[Evicted]]:
         """Reserve a slot for ``block_hash`` (state ``writing``), evicting the
         least recently used unpinned ready entry when no slot is free.
 
-        Returns ``(None, [])`` when the hash already has an entry or every slot
-        is busy (pinned or being written).
+        ``ready=True`` (bookkeeping only: no bytes to copy) makes the entry
+        ``ready`` at once, exactly as ``reserve`` then ``commit`` with nothing
+        in between. Returns ``(None, [])`` when the hash already has an entry
+        or every slot is busy (pinned or being written).
         """
         if block_hash in self._index:
             return None, []
         evicted: list[Evicted] = []
-        if not self._has_free_slot():
+        if not (self._released or self._fresh < self.num_slots):  # no free slot
             victim = self._front()  # the least recently used evictable entry (one slot is needed)
             if victim is None:
                 return None, []
@@ -120,8 +120,8 @@ class HostTier(EntryIndex):
             evicted.append(Evicted(victim.block_hash, victim.tokens, data, wanted=copy_evicted))
             self._release(victim)
         slot = self._pop_slot()
-        entry = HostEntry(bytes(block_hash), np.array(tokens, dtype=np.int32), slot)
-        self._add(entry)
+        entry = HostEntry(bytes(block_hash), np.array(tokens, dtype=np.int32), slot, "ready" if ready else "writing")
+        self._add(entry)  # a ready entry is placed at once, the most recently used (as commit would)
         return entry, evicted
 
     def abort(self, entry: HostEntry) -> None:

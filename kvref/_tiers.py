@@ -1034,7 +1034,9 @@ class TieredConnector:
                     self._stats["stale_writes_dropped"] += 1
                     return  # spec/tiers.md §9: a reset forgets offloads posted before it
                 in_host = host.has_entry(h)
-                host_e, evicted = (None, []) if in_host else host.reserve(h, t, copy_evicted=write_back)
+                # bookkeeping only (no source bytes): the entry is ready at once (HostTier.reserve)
+                host_e, evicted = (None, []) if in_host else host.reserve(h, t, copy_evicted=write_back,
+                                                                          ready=src is None)
                 host_ok = in_host or host_e is not None
                 disk_e, to_disk, disk_ok = None, False, True
                 if disk is not None:
@@ -1053,7 +1055,8 @@ class TieredConnector:
                 if src is not None:
                     np.copyto(host.arena[host_e.slot], src)
                 with self._lock:
-                    host.commit(host_e)
+                    if src is not None:
+                        host.commit(host_e)  # the bytes landed (a bookkeeping entry is ready already)
                     self._metrics.d2h_bytes_copied += pb
             elif disk_e is not None:
                 with self._lock:
