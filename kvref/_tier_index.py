@@ -155,19 +155,20 @@ class EntryIndex:
         self._sync()
         if self._expiries:
             self._expire(self.clock())
-        at, rank = self._at, self._rank
-        for level in sorted(self._count):
-            heap = self._heaps[level]
-            while heap:
-                item = heap[0]
-                h = item[2]
-                if at.get(h) != (level, item[1]):
-                    heapq.heappop(heap)  # stale: dropped for good
-                elif item[0] != rank[h]:  # touched since it was pushed: back at its entry's rank
-                    heapq.heapreplace(heap, (rank[h], item[1], h))
-                else:
-                    return self._index[h]
-        return None
+        if not self._count:
+            return None
+        # the lowest level with an evictable entry: its heap holds that entry's live item
+        level = min(self._count)
+        heap, at, rank = self._heaps[level], self._at, self._rank
+        while True:
+            item = heap[0]
+            h = item[2]
+            if at.get(h) != (level, item[1]):
+                heapq.heappop(heap)  # stale: dropped for good
+            elif item[0] != rank[h]:  # touched since it was pushed: back at its entry's rank
+                heapq.heapreplace(heap, (rank[h], item[1], h))
+            else:
+                return self._index[h]
 
     def _victims(self, need: int, size) -> list:
         """The first entries of the eviction order whose ``size(entry)`` sum to at least
