@@ -59,6 +59,14 @@ def _ctxs(rid, tokens):
     return TextContext(rid, tokens), TextContext(rid, tokens)
 
 
+def _admitted(pair, rid, tokens):
+    """The request's two contexts, claimed and allocated on both managers."""
+    c = _ctxs(rid, tokens)
+    _both(pair, c, "claim")
+    _both(pair, c, "alloc")
+    return c
+
+
 def test_claim_errors_match_reference():
     pair = _pair(max_seq_len=8)
     ok = _ctxs("a", np.arange(5))
@@ -97,12 +105,8 @@ def test_decode_lifecycle_with_fills_and_growth_matches_reference():
 
 def test_decode_growth_without_free_blocks_raises_and_changes_nothing():
     pair = _pair(num_blocks=5)  # 4 usable blocks (max_seq_len 16: spec/manager.md §1.6)
-    h = _ctxs("h", np.arange(100, 103))  # holds the 4th block
-    _both(pair, h, "claim")
-    _both(pair, h, "alloc")
-    c = _ctxs("a", np.arange(12))  # exactly 3 blocks
-    _both(pair, c, "claim")
-    _both(pair, c, "alloc")
+    h = _admitted(pair, "h", np.arange(100, 103))  # holds the 4th block
+    c = _admitted(pair, "a", np.arange(12))  # exactly 3 blocks
     for ctx in c:
         ctx.skip_processing(11)
     _both(pair, c, "step")
@@ -114,9 +118,7 @@ def test_decode_growth_without_free_blocks_raises_and_changes_nothing():
 
 def test_step_past_the_rows_raises_like_reference():
     pair = _pair()
-    c = _ctxs("a", np.arange(6))
-    _both(pair, c, "claim")
-    _both(pair, c, "alloc")
+    c = _admitted(pair, "a", np.arange(6))
     for ctx in c:
         ctx.skip_processing(5)
         for t in (1, 2, 3, 4):  # processed_length 9 > 2 blocks * 4 tokens
@@ -127,15 +129,11 @@ def test_step_past_the_rows_raises_like_reference():
 
 def test_release_by_request_id_and_replacement_context():
     pair = _pair()
-    c = _ctxs("a", np.arange(9))
-    _both(pair, c, "claim")
-    _both(pair, c, "alloc")
+    c = _admitted(pair, "a", np.arange(9))
     r, f = pair
     assert _outcome(lambda: r.release("a")) == _outcome(lambda: f.release("a"))
     assert r._free_order() == f._free_order()
-    c2 = _ctxs("b", np.arange(9))
-    _both(pair, c2, "claim")
-    _both(pair, c2, "alloc")
+    c2 = _admitted(pair, "b", np.arange(9))
     fresh = _ctxs("b", np.arange(9))  # a new object for a claimed id replaces the old one (Spec §2.3)
     _both(pair, fresh, "release")
 
@@ -145,16 +143,12 @@ def test_splice_near_capacity_counts_revived_hits_exactly():
     # them as revived (they leave the free list) exactly.
     pair = _pair(num_blocks=6)  # 5 usable
     prompt = np.arange(9)  # 3 blocks, 2 hashable
-    a = _ctxs("a", prompt)
-    _both(pair, a, "claim")
-    _both(pair, a, "alloc")
+    a = _admitted(pair, "a", prompt)
     for ctx in a:
         ctx.skip_processing(8)
     _both(pair, a, "step")
     _both(pair, a, "release")  # 2 published blocks now free and cached
-    filler = _ctxs("f", np.arange(100, 104))
-    _both(pair, filler, "claim")
-    _both(pair, filler, "alloc")  # takes the unpublished free block first
+    filler = _admitted(pair, "f", np.arange(100, 104))  # takes the unpublished free block first
     b = _ctxs("b", np.concatenate([prompt[:8], np.arange(200, 209)]))  # 2 hits + 3 more blocks
     _both(pair, b, "claim")
     out = _both(pair, b, "alloc")  # needs 3 more, 4 free of which 2 are its revived hits
