@@ -112,7 +112,10 @@ class ArrayWriteSets:
         self._next += 1
         slot_ids = slot_ids.copy()  # may be the caller's own int64 array, which it is free to reuse
         self._steps[sid] = (slot_ids, step.slot_mapping, step.batch_indices, block_size)
-        self._step_of[slot_ids] = sid
+        if slot_ids.shape[0] == 1:  # a one-row step (decode of one request): a scalar store
+            self._step_of[slot_ids[0]] = sid
+        else:
+            self._step_of[slot_ids] = sid
         if len(self._steps) > 32:
             live = set(np.unique(self._step_of[self._step_of >= 0]).tolist())
             self._steps = {k: v for k, v in self._steps.items() if k in live}
@@ -217,14 +220,18 @@ class FastSlotEngine(ReferenceSlotEngine):
         paged = table is not None
         n, t = slot_ids.shape[0], int(cu_seqlens_q[-1])
         i32 = np.int32
-        cu_q, cu_k = np.empty(n + 1, i32), np.empty(n + 1, i32)
-        past_o, used, slot_o = np.empty(n, i32), np.empty(n, i32), np.empty(n, i32)
-        cross, logits, init = np.empty(n, i32), np.empty(n, i32), np.empty(n, np.bool_)
-        bi, pos, sm = np.empty(t, i32), np.empty(t, i32), np.empty(t, np.int64)
+        # the nine int32 arrays are views of one allocation (the kernel's layout, step.build_indices)
+        out, sm, init = np.empty(7 * n + 2 + 2 * t, i32), np.empty(t, np.int64), np.empty(n, np.bool_)
         rows = np.empty((n, table.shape[1]), i32) if paged else self._empty_table
         max_q, max_k = self._k.build_indices(
             cu_seqlens_q, past_len, slot_ids, table if paged else self._empty_table, enc_lens, block_size,
-            max_seq_len, paged, cu_q, past_o, used, cu_k, slot_o, bi, pos, sm, init, cross, logits, rows)
+            max_seq_len, paged, out, sm, init, rows)
+        a, b = n + 1, 2 * n + 2
+        cu_q, cu_k = out[:a], out[a:b]
+        past_o, used, slot_o, cross, logits = out[b:b + n], out[b + n:b + 2 * n], out[b + 2 * n:b + 3 * n], \
+            out[b + 3 * n:b + 4 * n], out[b + 4 * n:b + 5 * n]
+        c = b + 5 * n
+        bi, pos = out[c:c + t], out[c + t:]
         # (StepIndices' field order: cu_seqlens_q, past_len, seqused_k, cu_seqlens_k, max_seqlen_q,
         # max_seqlen_k, slot_ids, batch_indices, positions, slot_mapping, block_table, has_initial_state,
         # cross_seqused_k, logits_indices)

@@ -29,6 +29,7 @@ rather than cast. Every tensor returned is a torch tensor of the input's dtype.
 from __future__ import annotations
 
 import contextvars
+import ctypes
 import importlib
 import inspect
 from collections import deque
@@ -41,6 +42,9 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 from transformers.masking_utils import AttentionMaskInterface
+
+#: ``memmove(dst, src, nbytes)`` on host addresses (a decode row's K/V into its storage row).
+_memmove = ctypes.memmove
 
 __all__ = [
     "ATTENTION_NAME", "SlotKVCache", "kvcache_attention", "register_attention", "layer_windows",
@@ -97,7 +101,10 @@ def _host_words(arr) -> Optional[tuple[np.ndarray, np.ndarray]]:
 def _attn_implementation(config) -> Optional[str]:
     """``config._attn_implementation``, read from the instance dict where transformers keeps it (a
     plain dict look-up: the config's ``__getattribute__`` costs microseconds, once per forward)."""
-    d = getattr(config, "__dict__", {})
+    try:   # object's own look-up: the config's ``__getattribute__`` runs even for ``__dict__``
+        d = object.__getattribute__(config, "__dict__")
+    except AttributeError:
+        d = {}
     if "_attn_implementation_internal" in d:
         return d["_attn_implementation_internal"]
     return getattr(config, "_attn_implementation", None)
@@ -248,9 +255,10 @@ class SlotKVCache(Cache):
     scatter : {"torch", "ops"}
         How ``update`` writes a layer's K/V: ``"torch"`` copies them through ``step.slot_mapping``
         into the live ``keys(l)`` / ``values(l)`` storage (the slot cache's documented binding, no
-        conversion since the storage is in the model's dtype; the copy runs on zero-copy NumPy views
-        of both sides, a microsecond where torch's indexing costs several, and as ``index_copy_``
-        for inputs that need grad), ``"ops"``
+        conversion since the storage is in the model's dtype; a one-token step's dense row is copied
+        by address, one ``memcpy`` for K and V, other steps on zero-copy NumPy views of both sides,
+        a microsecond where torch's indexing costs several, and as ``index_copy_`` for inputs that
+        need grad), ``"ops"``
         calls the backend's ``ops.append_kv`` (its checks and kernels). Same bytes either way.
 
     Attributes
@@ -342,6 +350,16 @@ class SlotKVCache(Cache):
         self._vw = [_host_words(self._kv.values(i)) for i in range(self.num_layers)]
         self._host = all(w is not None for w in self._kw + self._vw)
         self._bf16 = dtype is torch.bfloat16
+        # A contiguous decode row of K/V is copied into its storage row by address (``ctypes.memmove``,
+        # no torch -> NumPy conversion): per layer the K / V base addresses, and the row size.
+        self._addr = [(int(k[0].ctypes.data), int(v[0].ctypes.data)) for k, v in zip(self._kw, self._vw)] \
+            if self._host else None
+        self._row_bytes = self.kv_heads * self.head_dim * self._kv.keys(0).dtype.itemsize
+        # The history's torch views straight from the storage tensors (torch.as_strided: one call
+        # each, where a NumPy view's torch.from_numpy costs twice as much): the storage strides.
+        H, D = self.kv_heads, self.head_dim
+        rows = self.max_seq_len if self.mode == "contiguous" else self.block_size
+        self._hstride = (rows * H * D, D, H * D, 1)
         for layer in self.layers:
             layer.is_initialized = True
 
@@ -467,9 +485,18 @@ class SlotKVCache(Cache):
                         blocks = np.asarray(step.block_table[b], dtype=np.int64)[pos // self.block_size]
                         flat[b, :p0] = blocks * self.block_size + pos % self.block_size
                         run[b] = bool(np.all(np.diff(flat[b, :p0]) == 1))
+                self._r0 = None
+                if B * S == 1:   # a decode token: its storage row follows the previous one, or not
+                    row = self._wrow
+                    flat[0, p0] = row
+                    ok[0] = p0 + 1
+                    r = not p0 or bool(run[0] and row == flat[0, p0 - 1] + 1)
+                    run[0] = r
+                    if r:
+                        self._r0 = int(flat[0, 0])
+                    return
                 flat[:B, p0:p0 + S] = sm.reshape(B, S)
                 ok[:B] = p0 + S
-                self._r0 = None
                 if B == 1:   # one row whose positions [0, n) sit in consecutive storage rows: views, no gather
                     r = (not p0 or (run[0] and int(sm[0]) == int(flat[0, p0 - 1]) + 1)) and (
                         S == 1 or bool(np.all(np.diff(sm) == 1)))
@@ -481,12 +508,12 @@ class SlotKVCache(Cache):
 
     def _commit(self) -> None:
         """Close the forward: every row's new length, committed with ``update_position``."""
-        n = self._past + self._q
-        if n.size == 1:
-            slot, m = int(self._rows[0]), int(n[0])
+        if self._rows.size == 1:
+            slot, m = int(self._rows[0]), int(self._past[0]) + int(self._q[0])
             self._kv.update_position(slot, m)
             self._lengths[slot] = m
         else:
+            n = self._past + self._q
             for slot, m in zip(self._rows.tolist(), n.tolist()):
                 self._kv.update_position(slot, m)
             self._lengths[self._rows] = n
@@ -498,14 +525,14 @@ class SlotKVCache(Cache):
         past, n = self._span
         off = 0 if w is None or past < w else past - w + 1
         B = self._rows.size
-        if self._host:                         # NumPy views / takes of the storage's words, then torch views
-            if self.mode == "contiguous":      # zero-copy views of the slots' rows
-                k = self._kw[layer][0][:B, off:n].transpose(0, 2, 1, 3)
-                v = self._vw[layer][0][:B, off:n].transpose(0, 2, 1, 3)
-            elif self._r0 is not None:         # consecutive storage rows: zero-copy views
-                a = self._r0
-                k = self._kw[layer][1][a + off:a + n].transpose(1, 0, 2)[None]
-                v = self._vw[layer][1][a + off:a + n].transpose(1, 0, 2)[None]
+        if self._host:                         # torch views of the storage, or NumPy takes of its words
+            contiguous = self.mode == "contiguous"
+            if contiguous or self._r0 is not None:   # zero-copy views: the slots' rows / consecutive rows
+                H, D = self.kv_heads, self.head_dim
+                size = (B, H, n - off, D)
+                at = (off if contiguous else self._r0 + off) * H * D
+                return (torch.as_strided(self._keys[layer], size, self._hstride, at),
+                        torch.as_strided(self._values[layer], size, self._hstride, at))
             else:
                 rows = self._hist.get(off)
                 if rows is None:               # flat storage rows of positions [off, n), once per step
@@ -586,8 +613,20 @@ class SlotKVCache(Cache):
             if shape != (B, self.kv_heads, S, self.head_dim) or B * S != self._step.num_tokens:
                 raise ValueError(f"SlotKVCache.update: key_states.shape={tuple(shape)}, the step needs "
                                  f"{self._step.num_tokens} tokens of [{self.kv_heads}, {self.head_dim}]")
-        kn = None
-        if self._np_write and value_states.shape == shape and value_states.dtype is key_states.dtype:
+        kn, by_address = None, False
+        row = self._wrow
+        if (row is not None and row >= 0 and self._np_write and value_states.shape == shape
+                and value_states.dtype is key_states.dtype and not key_states.requires_grad
+                and not value_states.requires_grad and key_states.is_cpu and value_states.is_cpu
+                and key_states.is_contiguous() and value_states.is_contiguous()):
+            # one token, both rows dense on the host in the storage's dtype (checked above):
+            # [1, H, 1, D] copied by address into storage row `row` (a real token's, never padding)
+            k_at, v_at = self._addr[layer_idx]
+            at, nbytes = row * self._row_bytes, self._row_bytes
+            _memmove(k_at + at, key_states.data_ptr(), nbytes)
+            _memmove(v_at + at, value_states.data_ptr(), nbytes)
+            by_address = True
+        elif self._np_write and value_states.shape == shape and value_states.dtype is key_states.dtype:
             try:                               # zero-copy NumPy views of the inputs' words
                 if self._bf16:
                     kn, vn = key_states.view(torch.int16).numpy(), value_states.view(torch.int16).numpy()
@@ -595,8 +634,9 @@ class SlotKVCache(Cache):
                     kn, vn = key_states.numpy(), value_states.numpy()
             except (RuntimeError, TypeError):  # inputs that need grad, or not on the CPU: the torch write
                 kn = None
-        if kn is not None:                     # the slot_mapping binding on the live storage
-            row = self._wrow
+        if by_address:
+            pass                               # written above
+        elif kn is not None:                   # the slot_mapping binding on the live storage
             if row is not None:                # one token: [1, H, 1, D] into storage row `row`
                 self._kw[layer_idx][1][row] = kn[0, :, 0]
                 self._vw[layer_idx][1][row] = vn[0, :, 0]

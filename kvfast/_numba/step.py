@@ -119,17 +119,18 @@ def grow_rows(slots, add, blocks, table, nblk):
 
 
 @njit(cache=True)
-def build_indices(cu, past, slots, table, enc, block_size, max_seq_len, paged, cu_q, past_o, used, cu_k, slot_o,
-                  bi, pos, sm, init, cross, logits, rows):
+def build_indices(cu, past, slots, table, enc, block_size, max_seq_len, paged, out, sm, init, rows):
     """Write every ``StepIndices`` array of a validated step, in one pass.
 
     The outputs are preallocated by the caller with the dtypes of DESIGN §4.3
     (passing arrays in is cheap; returning a dozen arrays from Numba is
-    not): ``cu_q``/``cu_k`` int32 ``[B+1]``; ``past_o``, ``used``,
-    ``slot_o``, ``cross``, ``logits`` int32 ``[B]``; ``bi``, ``pos`` int32
-    ``[T]``; ``sm`` int64 ``[T]``; ``init`` bool ``[B]``; ``rows`` int32
-    ``[B, max_blocks_per_seq]`` (``table[slots]``) when paged. Returns
-    ``(max_seqlen_q, max_seqlen_k)``.
+    not, and each argument costs its share of the dispatch): the int32
+    arrays back to back in ``out`` ``[2 (B+1) + 5 B + 2 T]``, in the order
+    ``cu_q`` ``[B+1]``, ``cu_k`` ``[B+1]``, ``past_o``, ``used``, ``slot_o``,
+    ``cross``, ``logits`` ``[B]`` each, ``bi``, ``pos`` ``[T]`` each (the
+    caller hands out views of it); ``sm`` int64 ``[T]``; ``init`` bool
+    ``[B]``; ``rows`` int32 ``[B, max_blocks_per_seq]`` (``table[slots]``)
+    when paged. Returns ``(max_seqlen_q, max_seqlen_k)``.
     """
     n = slots.shape[0]
     if paged:
@@ -138,8 +139,16 @@ def build_indices(cu, past, slots, table, enc, block_size, max_seq_len, paged, c
             s = slots[b]
             for j in range(ncol):
                 rows[b, j] = table[s, j]
-    cu_q[0] = 0
-    cu_k[0] = 0
+    o_cu_k = n + 1
+    o_past = 2 * (n + 1)
+    o_used = o_past + n
+    o_slot = o_used + n
+    o_cross = o_slot + n
+    o_logits = o_cross + n
+    o_bi = o_logits + n
+    o_pos = o_bi + cu[n]
+    out[0] = 0
+    out[o_cu_k] = 0
     max_q = 0
     max_k = 0
     acc = 0
@@ -149,23 +158,23 @@ def build_indices(cu, past, slots, table, enc, block_size, max_seq_len, paged, c
         q = hi - lo
         p0 = past[b]
         s = slots[b]
-        cu_q[b + 1] = hi
-        past_o[b] = p0
-        used[b] = p0 + q
+        out[b + 1] = hi
+        out[o_past + b] = p0
+        out[o_used + b] = p0 + q
         acc += p0 + q
-        cu_k[b + 1] = acc
-        slot_o[b] = s
+        out[o_cu_k + b + 1] = acc
+        out[o_slot + b] = s
         init[b] = p0 > 0
-        cross[b] = enc[s]
-        logits[b] = hi - 1
+        out[o_cross + b] = enc[s]
+        out[o_logits + b] = hi - 1
         if q > max_q:
             max_q = q
         if p0 + q > max_k:
             max_k = p0 + q
         for t in range(lo, hi):
             p = p0 + (t - lo)
-            bi[t] = b
-            pos[t] = p
+            out[o_bi + t] = b
+            out[o_pos + t] = p
             if paged:
                 sm[t] = np.int64(table[s, p // block_size]) * block_size + p % block_size
             else:
