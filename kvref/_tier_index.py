@@ -160,7 +160,7 @@ class EntryIndex:
         # the lowest level with an evictable entry: its heap holds that entry's live item
         level = min(self._count)
         heap, at, rank = self._heaps[level], self._at, self._rank
-        while True:
+        while heap:
             item = heap[0]
             h = item[2]
             if at.get(h) != (level, item[1]):
@@ -169,6 +169,8 @@ class EntryIndex:
                 heapq.heapreplace(heap, (rank[h], item[1], h))
             else:
                 return self._index[h]
+        raise AssertionError(f"{type(self).__name__}._front: level {level} counts {self._count[level]} "
+                             "evictable entries and its heap holds none")
 
     def _victims(self, need: int, size) -> list:
         """The first entries of the eviction order whose ``size(entry)`` sum to at least
