@@ -634,9 +634,7 @@ class SlotKVCache(Cache):
                     kn, vn = key_states.numpy(), value_states.numpy()
             except (RuntimeError, TypeError):  # inputs that need grad, or not on the CPU: the torch write
                 kn = None
-        if by_address:
-            pass                               # written above
-        elif kn is not None:                   # the slot_mapping binding on the live storage
+        if kn is not None:                     # the slot_mapping binding on the live storage
             if row is not None:                # one token: [1, H, 1, D] into storage row `row`
                 self._kw[layer_idx][1][row] = kn[0, :, 0]
                 self._vw[layer_idx][1][row] = vn[0, :, 0]
@@ -649,7 +647,7 @@ class SlotKVCache(Cache):
                     vn = vn.transpose(0, 2, 1, 3).reshape(B * S, H, D)
                 self._kw[layer_idx][1][self._sm_np] = kn
                 self._vw[layer_idx][1][self._sm_np] = vn
-        else:
+        elif not by_address:                   # (a row copied by address is written)
             B, H, S, D = shape
             k = key_states.transpose(1, 2).reshape(B * S, H, D)   # a view for decode (S == 1) and for packed rows
             v = value_states.transpose(1, 2).reshape(B * S, H, D)
