@@ -220,18 +220,16 @@ class FastSlotEngine(ReferenceSlotEngine):
         paged = table is not None
         n, t = slot_ids.shape[0], int(cu_seqlens_q[-1])
         i32 = np.int32
-        # the nine int32 arrays are views of one allocation (the kernel's layout, step.build_indices)
-        out, sm, init = np.empty(7 * n + 2 + 2 * t, i32), np.empty(t, np.int64), np.empty(n, np.bool_)
+        # the nine int32 arrays are views of one allocation, at the kernel's offsets (step.index_layout)
+        o_cu_k, o_past, o_used, o_slot, o_cross, o_logits, o_bi, o_pos, size = self._k.index_layout(n, t)
+        out, sm, init = np.empty(size, i32), np.empty(t, np.int64), np.empty(n, np.bool_)
         rows = np.empty((n, table.shape[1]), i32) if paged else self._empty_table
         max_q, max_k = self._k.build_indices(
             cu_seqlens_q, past_len, slot_ids, table if paged else self._empty_table, enc_lens, block_size,
             max_seq_len, paged, out, sm, init, rows)
-        a, b = n + 1, 2 * n + 2
-        cu_q, cu_k = out[:a], out[a:b]
-        past_o, used, slot_o, cross, logits = out[b:b + n], out[b + n:b + 2 * n], out[b + 2 * n:b + 3 * n], \
-            out[b + 3 * n:b + 4 * n], out[b + 4 * n:b + 5 * n]
-        c = b + 5 * n
-        bi, pos = out[c:c + t], out[c + t:]
+        cu_q, cu_k, past_o, used = out[:o_cu_k], out[o_cu_k:o_past], out[o_past:o_used], out[o_used:o_slot]
+        slot_o, cross, logits = out[o_slot:o_cross], out[o_cross:o_logits], out[o_logits:o_bi]
+        bi, pos = out[o_bi:o_pos], out[o_pos:]
         # (StepIndices' field order: cu_seqlens_q, past_len, seqused_k, cu_seqlens_k, max_seqlen_q,
         # max_seqlen_k, slot_ids, batch_indices, positions, slot_mapping, block_table, has_initial_state,
         # cross_seqused_k, logits_indices)

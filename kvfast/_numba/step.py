@@ -19,7 +19,8 @@ from kvspec.engine import (
 
 __all__ = [
     "OK", "CU0", "NOT_INCREASING", "SLOT_RANGE", "SLOT_DUP", "PAST_MISMATCH", "CAPACITY", "TOTAL",
-    "check_step", "check_slots", "blocks_needed", "step_blocks_needed", "grow_rows", "build_indices",
+    "check_step", "check_slots", "blocks_needed", "step_blocks_needed", "grow_rows", "index_layout",
+    "build_indices",
 ]
 
 # Result codes of check_step / check_slots are the engine protocol's (kvspec.engine); the
@@ -118,6 +119,25 @@ def grow_rows(slots, add, blocks, table, nblk):
         nblk[s] = start + add[i]
 
 
+def index_layout(n: int, t: int) -> tuple[int, int, int, int, int, int, int, int, int]:
+    """Where ``build_indices`` puts each int32 ``StepIndices`` array of a step of ``n`` rows and ``t``
+    tokens in its one buffer: the offsets of ``cu_k``, ``past``, ``used``, ``slot``, ``cross``,
+    ``logits``, ``bi``, ``pos`` (``cu_q`` starts at 0), then the buffer's length. Plain Python for
+    the caller's views, compiled below for the kernel: one layout."""
+    o_cu_k = n + 1
+    o_past = 2 * (n + 1)
+    o_used = o_past + n
+    o_slot = o_used + n
+    o_cross = o_slot + n
+    o_logits = o_cross + n
+    o_bi = o_logits + n
+    o_pos = o_bi + t
+    return o_cu_k, o_past, o_used, o_slot, o_cross, o_logits, o_bi, o_pos, o_pos + t
+
+
+_index_layout = njit(cache=True)(index_layout)
+
+
 @njit(cache=True)
 def build_indices(cu, past, slots, table, enc, block_size, max_seq_len, paged, out, sm, init, rows):
     """Write every ``StepIndices`` array of a validated step, in one pass.
@@ -125,7 +145,7 @@ def build_indices(cu, past, slots, table, enc, block_size, max_seq_len, paged, o
     The outputs are preallocated by the caller with the dtypes of DESIGN §4.3
     (passing arrays in is cheap; returning a dozen arrays from Numba is
     not, and each argument costs its share of the dispatch): the int32
-    arrays back to back in ``out`` ``[2 (B+1) + 5 B + 2 T]``, in the order
+    arrays back to back in ``out`` (:func:`index_layout`), in the order
     ``cu_q`` ``[B+1]``, ``cu_k`` ``[B+1]``, ``past_o``, ``used``, ``slot_o``,
     ``cross``, ``logits`` ``[B]`` each, ``bi``, ``pos`` ``[T]`` each (the
     caller hands out views of it); ``sm`` int64 ``[T]``; ``init`` bool
@@ -139,14 +159,7 @@ def build_indices(cu, past, slots, table, enc, block_size, max_seq_len, paged, o
             s = slots[b]
             for j in range(ncol):
                 rows[b, j] = table[s, j]
-    o_cu_k = n + 1
-    o_past = 2 * (n + 1)
-    o_used = o_past + n
-    o_slot = o_used + n
-    o_cross = o_slot + n
-    o_logits = o_cross + n
-    o_bi = o_logits + n
-    o_pos = o_bi + cu[n]
+    o_cu_k, o_past, o_used, o_slot, o_cross, o_logits, o_bi, o_pos, _ = _index_layout(n, cu[n])
     out[0] = 0
     out[o_cu_k] = 0
     max_q = 0
