@@ -15,20 +15,29 @@ or whose claim expired, is at level 35), least recently used within a level.
 
 The evictable entries (ready, unpinned, live) are kept per level, as the
 block pool keeps its free pages (``kvref/_block_pool.py``), so that no
-operation scans the index: each entry has an LRU rank (a counter bumped
-whenever it becomes the most recently used), each level a min-heap of
-``(rank, seq, hash)`` whose item is live while ``_at[hash] == (level, seq)``
-(a move re-pushes, the old item goes stale and is skipped; a heap holding
-more than twice its live items plus 64 is compacted: amortised O(1)). A
-touch only bumps the rank (O(1)): a live item's rank is a lower bound of its
-entry's rank (ranks only grow), and the front re-pushes an item popped with
-an outdated rank at its entry's rank before reading on, so the front is
-always read in true rank order (each touch causes at most one re-push), and
-the claims with a finite expiry a min-heap ``(expiry, hash)``; claims whose
-expiry passed are dropped before the eviction front is read, their entries
-moving to level 35 at their own rank (so between the entries of level 35 in
-LRU order, exactly as if they had never held a claim). Every operation is
-O(log n) or amortised O(1); reading the front costs O(log n) per entry read.
+operation scans the index. Each entry has an LRU rank (a counter bumped
+whenever it becomes the most recently used); each level keeps its
+evictable entries in rank order in two parts, merged when read:
+
+* an ``OrderedDict`` of the entries placed or touched as the level's most
+  recent (a new or committed entry, a touch: the common case), appended at
+  the end and moved to the end by a touch, O(1) each;
+* a min-heap of ``(rank, seq, hash)`` for an entry placed behind the
+  dictionary's last one (an unpinned entry, a claim's level change, an
+  expired claim's move to level 35: each at its own rank), whose item is
+  live while ``_at[hash] == (level, seq)`` (a move or a touch leaves it
+  stale, skipped when read; a heap holding more than twice the level's
+  entries plus 64 is compacted: amortised O(1)). A touch takes an entry out
+  of the heap into the dictionary, so a live item's rank is its entry's.
+
+``_at[hash]`` is ``(level, 0)`` for an entry of the dictionary. The front
+of a level is the smaller rank of the dictionary's first entry and the
+heap's first live item: O(1) in the common case. The claims with a finite
+expiry are a min-heap ``(expiry, hash)``; claims whose expiry passed are
+dropped before the eviction front is read, their entries moving to level 35
+at their own rank (so between the entries of level 35 in LRU order, exactly
+as if they had never held a claim). Every operation is O(log n) or
+amortised O(1).
 
 ``touch`` and ``set_retention`` are logged, not applied: the caller (the scheduler thread at
 ``release``) pays one C-level copy of the hashes, and the log is applied, in call order, by the next
@@ -77,10 +86,12 @@ class EntryIndex:
         #: LRU rank of every entry of the index: larger is more recent (the index's order)
         self._rank: dict[bytes, int] = {}
         self._tick = 0
-        #: evictable entries: hash -> (level, seq of its live heap item)
+        #: evictable entries: hash -> (level, seq of its live heap item, or 0 in the level's dictionary)
         self._at: dict[bytes, tuple[int, int]] = {}
         self._seq = 0
-        #: level -> min-heap of (rank, seq, hash), live items and stale ones
+        #: level -> its evictable entries placed or touched as its most recent, in rank order
+        self._lru: dict[int, OrderedDict[bytes, None]] = {}
+        #: level -> min-heap of (rank, seq, hash) of entries placed behind them, live items and stale ones
         self._heaps: dict[int, list[tuple[int, int, bytes]]] = {}
         #: level -> evictable entries at that level (levels without any are absent)
         self._count: dict[int, int] = {}
@@ -132,17 +143,21 @@ class EntryIndex:
         taken: list[tuple[list, tuple[int, int, bytes]]] = []
         try:
             for level in sorted(self._count):
-                heap = self._heaps[level]
-                while heap:
-                    item = heapq.heappop(heap)
-                    h = item[2]
-                    if at.get(h) != (level, item[1]):
-                        continue  # stale: dropped for good
-                    if item[0] != rank[h]:  # touched since it was pushed: back at its entry's rank
-                        heapq.heappush(heap, (rank[h], item[1], h))
-                        continue
-                    taken.append((heap, item))
-                    yield index[h]
+                heap = self._heaps.get(level, [])
+                ordered = iter(self._lru.get(level, ()))
+                h = next(ordered, None)  # the dictionary's next entry
+                while True:  # the two parts merged by rank
+                    while heap and at.get(heap[0][2]) != (level, heap[0][1]):
+                        heapq.heappop(heap)  # stale: dropped for good
+                    if heap and (h is None or heap[0][0] < rank[h]):
+                        item = heapq.heappop(heap)
+                        taken.append((heap, item))
+                        yield index[item[2]]
+                    elif h is not None:
+                        yield index[h]
+                        h = next(ordered, None)
+                    else:
+                        break
         finally:
             for heap, item in taken:
                 heapq.heappush(heap, item)
@@ -157,20 +172,21 @@ class EntryIndex:
             self._expire(self.clock())
         if not self._count:
             return None
-        # the lowest level with an evictable entry: its heap holds that entry's live item
+        # the lowest level with an evictable entry: the first of its dictionary or its heap
         level = min(self._count)
-        heap, at, rank = self._heaps[level], self._at, self._rank
-        while heap:
-            item = heap[0]
-            h = item[2]
-            if at.get(h) != (level, item[1]):
+        ordered = self._lru.get(level)
+        first = next(iter(ordered)) if ordered else None
+        heap = self._heaps.get(level)
+        if heap:
+            at = self._at
+            while heap and at.get(heap[0][2]) != (level, heap[0][1]):
                 heapq.heappop(heap)  # stale: dropped for good
-            elif item[0] != rank[h]:  # touched since it was pushed: back at its entry's rank
-                heapq.heapreplace(heap, (rank[h], item[1], h))
-            else:
-                return self._index[h]
-        raise AssertionError(f"{type(self).__name__}._front: level {level} counts {self._count[level]} "
-                             "evictable entries and its heap holds none")
+            if heap and (first is None or heap[0][0] < self._rank[first]):
+                return self._index[heap[0][2]]
+        if first is None:
+            raise AssertionError(f"{type(self).__name__}._front: level {level} counts {self._count[level]} "
+                                 "evictable entries and holds none")
+        return self._index[first]
 
     def _victims(self, need: int, size) -> list:
         """The first entries of the eviction order whose ``size(entry)`` sum to at least
@@ -300,13 +316,20 @@ class EntryIndex:
 
     def _touch_now(self, hashes: list[bytes]) -> None:
         """``touch`` applied."""
-        index, rank, tick = self._index, self._rank, self._tick
+        index, rank, tick, at, lru = self._index, self._rank, self._tick, self._at, self._lru
         for h in hashes:
             e = index.get(h)
             if e is not None and not e.dead:
                 index.move_to_end(h)
                 tick += 1
-                rank[h] = tick  # its heap item keeps the old rank, a lower bound (see the module doc)
+                rank[h] = tick
+                a = at.get(h)
+                if a is not None:  # evictable: now its level's most recent (see the module doc)
+                    if a[1]:  # out of the heap (its item goes stale) into the dictionary
+                        at[h] = (a[0], 0)
+                        lru[a[0]][h] = None
+                    else:
+                        lru[a[0]].move_to_end(h)
         self._tick = tick
 
     def clear(self) -> None:
@@ -316,6 +339,7 @@ class EntryIndex:
         self._pending.clear()
         self._expiries.clear()
         self._at.clear()
+        self._lru.clear()
         self._heaps.clear()
         self._count.clear()
         for e in list(self._index.values()):
@@ -368,14 +392,23 @@ class EntryIndex:
         return _DEFAULT if c is None else c[0]
 
     def _place(self, h: bytes, level: int) -> None:
-        """Make entry ``h`` evictable at ``level`` (at its own rank)."""
+        """Make entry ``h`` evictable at ``level`` (at its own rank): at the end of the level's
+        dictionary when it is the level's most recent, else on its heap."""
+        n = self._count[level] = self._count.get(level, 0) + 1
+        rank = self._rank[h]
+        ordered = self._lru.get(level)
+        if ordered is None:
+            ordered = self._lru[level] = OrderedDict()
+        if not ordered or self._rank[next(reversed(ordered))] < rank:
+            ordered[h] = None
+            self._at[h] = (level, 0)
+            return
         self._seq += 1
         self._at[h] = (level, self._seq)
         heap = self._heaps.get(level)
         if heap is None:
             heap = self._heaps[level] = []
-        heapq.heappush(heap, (self._rank[h], self._seq, h))
-        n = self._count[level] = self._count.get(level, 0) + 1
+        heapq.heappush(heap, (rank, self._seq, h))
         if len(heap) > 2 * n + _SLACK:  # stale items of moved entries: amortised O(1)
             at = self._at
             heap[:] = [x for x in heap if at.get(x[2]) == (level, x[1])]
@@ -385,12 +418,16 @@ class EntryIndex:
         a = self._at.pop(h, None)
         if a is None:
             return
-        n = self._count[a[0]] - 1
+        level = a[0]
+        if not a[1]:
+            del self._lru[level][h]
+        n = self._count[level] - 1
         if n:
-            self._count[a[0]] = n
-        else:  # only stale items are left
-            del self._count[a[0]]
-            del self._heaps[a[0]]
+            self._count[level] = n
+        else:  # nothing live is left at this level (a heap holds stale items only)
+            del self._count[level]
+            self._lru.pop(level, None)
+            self._heaps.pop(level, None)
 
     def _push_expiry(self, expiry: float, h: bytes) -> None:
         heapq.heappush(self._expiries, (expiry, h))
@@ -428,14 +465,19 @@ class EntryIndex:
         items = {level: {x[1:]: x[0] for x in heap} for level, heap in self._heaps.items()}
         for h, (level, seq) in self._at.items():
             assert level == self._level(h), f"{p}: {h.hex()[:12]} at level {level}, claim {self._claims.get(h)}"
-            # its live item: (rank when pushed, seq, h), a rank at most the entry's (touches are lazy)
-            assert items[level].get((seq, h), self._rank[h] + 1) <= self._rank[h], (
-                f"{p}: {h.hex()[:12]} not in its heap")
+            if seq:  # its live heap item: (its rank, seq, h)
+                assert items.get(level, {}).get((seq, h)) == self._rank[h], f"{p}: {h.hex()[:12]} not in its heap"
+            else:
+                assert h in self._lru.get(level, ()), f"{p}: {h.hex()[:12]} not in its level's dictionary"
+        for level, ordered in self._lru.items():
+            assert all(self._at.get(h) == (level, 0) for h in ordered), f"{p}: level {level}'s dictionary holds others"
+            assert all(self._rank[a] < self._rank[b] for a, b in itertools.pairwise(ordered)), (
+                f"{p}: level {level}'s dictionary out of rank order")
         counts: dict[int, int] = {}
         for level, _ in self._at.values():
             counts[level] = counts.get(level, 0) + 1
         assert counts == self._count, f"{p}: level counts {self._count} != {counts}"
-        assert set(self._heaps) == set(self._count), f"{p}: heaps of empty levels"
+        assert set(self._heaps) | set(self._lru) <= set(self._count), f"{p}: parts of empty levels"
         assert set(self._claims) <= set(self._index), f"{p}: a claim without an entry"
         assert not set(self._pending) & set(self._index), f"{p}: a pending claim of a hash with an entry"
         live = set(self._expiries)

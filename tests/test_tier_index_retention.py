@@ -211,6 +211,9 @@ def _run(ops_list, index_cls=Index) -> None:
         _apply(model, clock, op)
         got, want = _observe(ix), _observe(model)
         assert got == want, f"step {step} {op}: index {got} != model {want}"
+        if index_cls is Index:  # the front a reservation evicts is the order's first entry
+            front = ix._front()
+            assert (front and front.block_hash) == (got[0][0] if got[0] else None), f"step {step} {op}: front"
         ix._check_levels()
 
 
