@@ -100,14 +100,16 @@ class HostTier(EntryIndex):
     # ------------------------------------------------------------------ mutations
 
     def reserve(self, block_hash: bytes, tokens: np.ndarray, *, copy_evicted: bool,
-                ready: bool = False) -> tuple[HostEntry | None, list[Evicted]]:
+                ready: bool = False, own_tokens: bool = False) -> tuple[HostEntry | None, list[Evicted]]:
         """Reserve a slot for ``block_hash`` (state ``writing``), evicting the
         least recently used unpinned ready entry when no slot is free.
 
         ``ready=True`` (bookkeeping only: no bytes to copy) makes the entry
         ``ready`` at once, exactly as ``reserve`` then ``commit`` with nothing
-        in between. Returns ``(None, [])`` when the hash already has an entry
-        or every slot is busy (pinned or being written).
+        in between. ``own_tokens=True``: ``tokens`` is an int32 row the caller
+        hands over (its own copy, never changed again), kept without a copy.
+        Returns ``(None, [])`` when the hash already has an entry or every
+        slot is busy (pinned or being written).
         """
         if block_hash in self._index:
             return None, []
@@ -120,7 +122,8 @@ class HostTier(EntryIndex):
             evicted.append(Evicted(victim.block_hash, victim.tokens, data, wanted=copy_evicted))
             self._release(victim)
         slot = self._pop_slot()
-        entry = HostEntry(bytes(block_hash), np.array(tokens, dtype=np.int32), slot, "ready" if ready else "writing")
+        entry = HostEntry(bytes(block_hash), tokens if own_tokens else np.array(tokens, dtype=np.int32), slot,
+                          "ready" if ready else "writing")
         self._add(entry)  # a ready entry is placed at once, the most recently used (as commit would)
         return entry, evicted
 

@@ -352,25 +352,29 @@ class EntryIndex:
     def _add(self, entry) -> None:
         """Insert a new entry (its hash has none) as the most recently used; a claim made
         while its offload was queued becomes its claim."""
-        self._sync()
+        if self._log:
+            self._sync()
         h = entry.block_hash
         self._index[h] = entry
-        self._bump(h)
-        c = self._pending.pop(h, None)
+        self._tick += 1  # _bump, inlined (a reservation's path)
+        self._rank[h] = self._tick
+        c = self._pending.pop(h, None) if self._pending else None
         if c is not None:
             self._claims[h] = c
             if c[1] != _NEVER:
                 self._push_expiry(c[1], h)
         if entry.state == "ready" and entry.pins == 0 and not entry.dead:
-            self._place(h, self._level(h))
+            self._place(h, _DEFAULT if c is None and not self._claims else self._level(h))
 
     def _remove(self, entry) -> None:
         """Take ``entry`` (the index's entry of its hash) out of the index, its claim with it."""
-        self._sync()
+        if self._log:
+            self._sync()
         h = entry.block_hash
         del self._index[h]
         del self._rank[h]
-        self._claims.pop(h, None)  # spec/tiers.md §3.1: a claim lives with its entry
+        if self._claims:
+            self._claims.pop(h, None)  # spec/tiers.md §3.1: a claim lives with its entry
         self._unplace(h)
 
     def _mark_dead(self, entry) -> None:

@@ -1035,8 +1035,9 @@ class TieredConnector:
                     return  # spec/tiers.md §9: a reset forgets offloads posted before it
                 in_host = host.has_entry(h)
                 # bookkeeping only (no source bytes): the entry is ready at once (HostTier.reserve)
+                # (t: a row of offload's own int32 copy of the tokens, handed over as is)
                 host_e, evicted = (None, []) if in_host else host.reserve(h, t, copy_evicted=write_back,
-                                                                          ready=src is None)
+                                                                          ready=src is None, own_tokens=True)
                 host_ok = in_host or host_e is not None
                 disk_e, to_disk, disk_ok = None, False, True
                 if disk is not None:
@@ -1051,13 +1052,14 @@ class TieredConnector:
                 # take is the remote's to store (put_many counts its own drops).
                 stored_nowhere = not (host_ok or (to_disk and disk_ok)) and self._remote is None
                 dropped = host_missing or not disk_ok or stored_nowhere
+                if host_e is not None and src is None:
+                    self._metrics.d2h_bytes_copied += pb  # bookkeeping only: the entry is ready already
             if host_e is not None:
                 if src is not None:
                     np.copyto(host.arena[host_e.slot], src)
-                with self._lock:
-                    if src is not None:
-                        host.commit(host_e)  # the bytes landed (a bookkeeping entry is ready already)
-                    self._metrics.d2h_bytes_copied += pb
+                    with self._lock:
+                        host.commit(host_e)  # the bytes landed
+                        self._metrics.d2h_bytes_copied += pb
             elif disk_e is not None:
                 with self._lock:
                     self._metrics.d2h_bytes_copied += pb
