@@ -164,10 +164,10 @@ class EntryIndex:
 
     def _front(self):
         """The first entry of the eviction order (what ``_evictable`` yields first), or None when
-        no entry is evictable; changes no entry. As the generator reads the front: stale items
-        are dropped, an item with an outdated rank goes back at its entry's rank; the front item
-        stays on its heap (the entry's removal makes it stale)."""
-        self._sync()
+        no entry is evictable; changes no entry. As the generator reads the front, stale heap
+        items are dropped; the front entry stays where it is (its removal unplaces it)."""
+        if self._log:
+            self._sync()
         if self._expiries:
             self._expire(self.clock())
         if not self._count:

@@ -1068,7 +1068,7 @@ class TieredConnector:
             if dropped:
                 with self._lock:
                     self._metrics.connector_offload_blocks_dropped += 1
-            if evicted:
+            if evicted and write_back and disk is not None:  # (only wanted evictions go to disk)
                 self._write_evicted(evicted, epoch)
         if self._remote is not None:
             # spec/remote-tier.md §7: SET NX of the pinned source pages, one round trip; a failing
