@@ -364,6 +364,7 @@ class EntryIndex:
             if c[1] != _NEVER:
                 self._push_expiry(c[1], h)
         if entry.state == "ready" and entry.pins == 0 and not entry.dead:
+            # (no claim in the whole index: level 35 without looking this hash up)
             self._place(h, _DEFAULT if c is None and not self._claims else self._level(h))
 
     def _remove(self, entry) -> None:
