@@ -356,16 +356,14 @@ class EntryIndex:
             self._sync()
         h = entry.block_hash
         self._index[h] = entry
-        self._tick += 1  # _bump, inlined (a reservation's path)
-        self._rank[h] = self._tick
+        self._bump(h)
         c = self._pending.pop(h, None) if self._pending else None
         if c is not None:
             self._claims[h] = c
             if c[1] != _NEVER:
                 self._push_expiry(c[1], h)
         if entry.state == "ready" and entry.pins == 0 and not entry.dead:
-            # (no claim in the whole index: level 35 without looking this hash up)
-            self._place(h, _DEFAULT if c is None and not self._claims else self._level(h))
+            self._place(h, self._level(h))
 
     def _remove(self, entry) -> None:
         """Take ``entry`` (the index's entry of its hash) out of the index, its claim with it."""
