@@ -504,9 +504,14 @@ class CudaSlotEngine(FastSlotEngine):
                 state_copy_rows(row[None], buf, np.array([0], np.int64), np.array([slot], np.int64))
 
     def attend(self, q, K, V, kind, window: int, step: StepIndices, block_size, scale: float,
-               kv_scales=None):
+               kv_scales=None, softcap: float = 0.0, sinks=None):
         """CuPy version of the reference algorithm (same masks, float32 math); FP8 storage is
-        dequantised as :meth:`gather_kv_fp8` returns it."""
+        dequantised as :meth:`gather_kv_fp8` returns it.
+
+        ``softcap`` (0.0: off) turns every score ``s = scale * dot(q, k)`` into ``softcap *
+        tanh(s / softcap)`` before the mask; ``sinks`` (host float32 [q_heads], or None) gives
+        each query head a sink logit that joins the largest score and the softmax denominator,
+        with no value."""
         from ._cuda.convert import query_float32, storage_float32
 
         cp = self._cp
@@ -514,6 +519,8 @@ class CudaSlotEngine(FastSlotEngine):
             q = query_float32(q)  # bfloat16 storage is uint16 bits: widen them, never cast the integers
             group = q.shape[1] // K.shape[2]
             out = cp.zeros(q.shape, cp.float32)
+            cap = cp.float32(softcap)
+            sk = None if sinks is None else cp.asarray(sinks, dtype=cp.float32).reshape(-1, 1, 1)  # [h, 1, 1]
             cu = self.to_host(step.cu_seqlens_q).astype(np.int64)
             past, used = self.to_host(step.past_len), self.to_host(step.seqused_k)
             cross, slots = self.to_host(step.cross_seqused_k), self.to_host(step.slot_ids)
@@ -551,9 +558,16 @@ class CudaSlotEngine(FastSlotEngine):
                 kf = cp.repeat(k, group, axis=1)
                 vf = cp.repeat(v, group, axis=1)
                 s = cp.einsum("qhd,khd->hqk", q[lo:hi].astype(cp.float32), kf) * cp.float32(scale)
+                if cap != 0:
+                    s = cap * cp.tanh(s / cap)
                 s = cp.where(mask[None], s, -cp.inf)
-                s = s - s.max(axis=-1, keepdims=True)
-                w = cp.exp(s)
-                w = w / w.sum(axis=-1, keepdims=True)
+                if sk is None:
+                    s = s - s.max(axis=-1, keepdims=True)
+                    w = cp.exp(s)
+                    w = w / w.sum(axis=-1, keepdims=True)
+                else:  # the sink: in the largest score and the denominator, no value
+                    m = cp.maximum(s.max(axis=-1, keepdims=True), sk)
+                    w = cp.exp(s - m)
+                    w = w / (w.sum(axis=-1, keepdims=True) + cp.exp(sk - m))
                 out[lo:hi] = cp.einsum("hqk,khd->qhd", w, vf)
             return out

@@ -111,7 +111,7 @@ def gather_kv(cache, layer: int, slot: int, *, like=None):
 
 
 def varlen_attention(q, cache, layer: int, step, scale: float | None = None, *, layout: str = "thd",
-                     out_dtype=None):
+                     out_dtype=None, softcap: float | None = None, sinks=None):
     """Attention of a step's queries through the cache, computed in float32.
 
     Same semantics as ``kvref.ops.varlen_attention``: row b attends keys
@@ -135,6 +135,11 @@ def varlen_attention(q, cache, layer: int, step, scale: float | None = None, *, 
         Of ``q`` and of the result.
     out_dtype : {None, "float16", "bfloat16", "float32"}, optional
         The float32 result rounded once to this dtype; None: float32.
+    softcap : float, optional
+        Logit soft-capping (Gemma 2): each score ``s`` becomes ``softcap * tanh(s / softcap)``; as
+        ``kvref.ops``. None: off.
+    sinks : array [q_heads], optional
+        Per-head sink logits (gpt-oss) in the softmax denominator, with no value; as ``kvref.ops``.
 
     Returns
     -------
@@ -148,7 +153,8 @@ def varlen_attention(q, cache, layer: int, step, scale: float | None = None, *, 
         As the reference.
     """
     _check_cache("varlen_attention", cache)
-    return kvref.ops.varlen_attention(q, cache, layer, step, scale, layout=layout, out_dtype=out_dtype)
+    return kvref.ops.varlen_attention(q, cache, layer, step, scale, layout=layout, out_dtype=out_dtype,
+                                      softcap=softcap, sinks=sinks)
 
 
 def gather_step(cache, layer: int, step, *, padded: bool = True, like=None):
@@ -208,25 +214,33 @@ class FastPagedOps(kvref.ops.ReferencePagedOps):
                    kv_scales[:, 1, layer], slot_mapping, P, fp8, _fp8_table(fp8))
 
     def attend(self, q, kv_blocks, layer: int, lut, lengths, row_offsets, window: int, scale: float,
-               kv_scales=None, fp8: str | None = None):
+               kv_scales=None, fp8: str | None = None, softcap: float = 0.0, sinks=None):
+        """float32 ``[T, q_heads, head_dim]`` through ``attend_paged`` (``kvfast/_numba/paged.py``),
+        as ``kvref.ops.ReferencePagedOps.attend``: ``softcap`` (0.0: off) soft-caps every score,
+        ``sinks`` (host float32 [q_heads], or None) adds each head's sink logit to the softmax
+        denominator."""
         from ._numba.paged import attend_paged, decode_table
 
         q = np.ascontiguousarray(q.astype(np.float32, copy=False))
         out = np.zeros(q.shape, np.float32)
+        cap = float(softcap)
+        has_sinks = sinks is not None
+        sk = np.ascontiguousarray(sinks, np.float32) if has_sinks else _NO_SINKS
         if kv_scales is not None:  # FP8 bits through their format's table, times the page-head's scale
             attend_paged(kv_blocks.view(np.uint8), _fp8_table(fp8), layer, q, lut, lengths, row_offsets, window,
-                         scale, out, kv_scales, True)
+                         scale, out, kv_scales, True, cap, sk, has_sinks)
         elif kv_blocks.dtype == np.float32:
             attend_paged(kv_blocks, _NO_TABLE, layer, q, lut, lengths, row_offsets, window, scale, out,
-                         _NO_SCALES, False)
+                         _NO_SCALES, False, cap, sk, has_sinks)
         else:
             attend_paged(kv_blocks.view(np.uint16), decode_table(kv_blocks.dtype.name), layer, q, lut, lengths,
-                         row_offsets, window, scale, out, _NO_SCALES, False)
+                         row_offsets, window, scale, out, _NO_SCALES, False, cap, sk, has_sinks)
         return out
 
 
 _NO_TABLE = np.zeros(1, np.float32)
 _NO_SCALES = np.ones((1, 1, 1, 1), np.float32)
+_NO_SINKS = np.zeros(1, np.float32)
 _FP8_TABLES: dict = {}
 
 
@@ -350,7 +364,10 @@ class CudaPagedOps(FastPagedOps):
                    block_size=P, block_stride=s[0], row_stride=s[3], unit_tokens=P)
 
     def attend(self, q, kv_blocks, layer: int, lut, lengths, row_offsets, window: int, scale: float,
-               kv_scales=None, fp8: str | None = None):
+               kv_scales=None, fp8: str | None = None, softcap: float = 0.0, sinks=None):
+        """One ``paged_attention_kernel`` launch (``kvfast/_cuda/paged_attention.py``) on the
+        buffer's device; ``softcap`` and ``sinks`` (host float32 [q_heads], copied to the device)
+        as :meth:`FastPagedOps.attend`."""
         from ._cuda._module import cupy
         from ._cuda.convert import query_float32
         from ._cuda.paged_attention import KV_FORMATS, paged_attention as launch
@@ -358,7 +375,7 @@ class CudaPagedOps(FastPagedOps):
         with cupy().cuda.Device(kv_blocks.device.id):
             return launch(query_float32(q), kv_blocks, layer, lut, lengths, row_offsets, window=window, scale=scale,
                           kv_format=KV_FORMATS[fp8 if kv_scales is not None else self._logical(kv_blocks)],
-                          kv_scales=kv_scales)
+                          kv_scales=kv_scales, softcap=float(softcap), sinks=sinks)
 
 
 _FAST_PAGED = FastPagedOps()
@@ -417,7 +434,8 @@ def append_kv_paged(kv_blocks, layer: int, k, v, inputs, input_row_offsets, *, l
 
 
 def paged_attention(q, kv_blocks, layer: int, inputs, input_row_offsets, *, window: int | None = None,
-                    scale: float | None = None, layout: str = "thd", out_dtype=None, kv_dtype: str | None = None):
+                    scale: float | None = None, layout: str = "thd", out_dtype=None, kv_dtype: str | None = None,
+                    softcap: float | None = None, sinks=None):
     """Causal GQA attention through a manager's pages, float32 (``kvref.ops.paged_attention``,
     spec/manager.md §18.4); FP8 pages read dequantised (spec/manager.md §18.5).
 
@@ -434,6 +452,11 @@ def paged_attention(q, kv_blocks, layer: int, inputs, input_row_offsets, *, wind
     out_dtype : {None, "float16", "bfloat16", "float32"}, optional
     kv_dtype : str, optional
         As :func:`append_kv_paged`.
+    softcap : float, optional
+        Logit soft-capping (Gemma 2): each score ``s`` becomes ``softcap * tanh(s / softcap)``; as
+        ``kvref.ops``. None: off.
+    sinks : array [q_heads], optional
+        Per-head sink logits (gpt-oss) in the softmax denominator, with no value; as ``kvref.ops``.
 
     Returns
     -------
@@ -447,5 +470,5 @@ def paged_attention(q, kv_blocks, layer: int, inputs, input_row_offsets, *, wind
         As the reference.
     """
     return kvref.ops.paged_attention(q, kv_blocks, layer, inputs, input_row_offsets, window=window, scale=scale,
-                                     layout=layout, out_dtype=out_dtype, kv_dtype=kv_dtype,
-                                     engine=_paged_engine(kv_blocks))
+                                     layout=layout, out_dtype=out_dtype, kv_dtype=kv_dtype, softcap=softcap,
+                                     sinks=sinks, engine=_paged_engine(kv_blocks))

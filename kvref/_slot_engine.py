@@ -237,7 +237,8 @@ class ReferenceSlotEngine:
         K[slot, :t] = k
         K[slot, t:] = 0
 
-    def attend(self, q, K, V, kind, window: int, step: StepIndices, block_size, scale: float, kv_scales=None):
+    def attend(self, q, K, V, kind, window: int, step: StepIndices, block_size, scale: float, kv_scales=None,
+               softcap: float = 0.0, sinks=None):
         out = np.zeros(q.shape, np.float32)
         cu = np.asarray(step.cu_seqlens_q, dtype=np.int64)
         for b in range(step.num_seqs):
@@ -256,7 +257,7 @@ class ReferenceSlotEngine:
                 mask = key <= pos
                 if kind is LayerKind.SLIDING_WINDOW:
                     mask &= key > pos - window
-            out[lo:hi] = softmax_attend(q[lo:hi], k, v, mask, scale)
+            out[lo:hi] = softmax_attend(q[lo:hi], k, v, mask, scale, softcap, sinks)
         return out
 
     def _gather_any(self, K, V, slot, n, row, block_size, kv_scales):
@@ -349,14 +350,37 @@ class ReferenceSlotEngine:
             buf[slot] = row
 
 
-def softmax_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
-    """float32 attention of q [Tq, Hq, D] over k, v [Tk, Hk, D] with bool mask [Tq, Tk] (GQA by repeat)."""
+def softmax_attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray, scale: float,
+                   softcap: float = 0.0, sinks: np.ndarray | None = None) -> np.ndarray:
+    """float32 attention of q [Tq, Hq, D] over k, v [Tk, Hk, D] with bool mask [Tq, Tk] (GQA by repeat).
+
+    ``softcap > 0`` caps every scaled score ``s`` to ``softcap * tanh(s / softcap)``; ``sinks``
+    (float32 ``[Hq]``) adds one value-less logit per query head to each softmax denominator
+    (spec/slot-cache.md §7.3). A query that sees no key gives zeros.
+    """
     group = q.shape[1] // k.shape[1]
     k = np.repeat(k.astype(np.float32), group, axis=1)
     v = np.repeat(v.astype(np.float32), group, axis=1)
     scores = np.einsum("qhd,khd->hqk", q.astype(np.float32), k) * np.float32(scale)
-    scores = np.where(mask[None], scores, -np.inf)
-    scores = scores - scores.max(axis=-1, keepdims=True)
-    w = np.exp(scores)
-    w = w / w.sum(axis=-1, keepdims=True)
+    return softmax_values(scores, mask[None], v, softcap, sinks)
+
+
+def softmax_values(scores: np.ndarray, mask: np.ndarray, v: np.ndarray, softcap: float,
+                           sinks: np.ndarray | None) -> np.ndarray:
+    """``softmax(scores) @ v`` over the allowed keys, float32: ``scores`` ``[H, Tq, Tk]`` (scaled),
+    ``mask`` bool broadcasting to it, ``v`` ``[Tk, H, D]``; soft-capped and with sink logits as
+    :func:`softmax_attend` says; rows that see no key are zeros."""
+    if softcap:
+        c = np.float32(softcap)
+        scores = c * np.tanh(scores / c)
+    seen = mask.any(axis=-1, keepdims=True)
+    m = np.where(mask, scores, -np.inf).max(axis=-1, keepdims=True)
+    if sinks is not None:
+        m = np.maximum(m, sinks.astype(np.float32)[:, None, None])
+    m = np.where(seen, m, np.float32(0))
+    w = np.where(mask, np.exp(scores - m), np.float32(0)).astype(np.float32)
+    total = w.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + np.exp(sinks.astype(np.float32)[:, None, None] - m)
+    w = np.where(seen, w / np.where(total > 0, total, 1), np.float32(0))
     return np.einsum("hqk,khd->qhd", w, v).astype(np.float32)

@@ -181,6 +181,43 @@ def _check_scale(api: str, scale, head_dim: int) -> float:
     return float(scale)
 
 
+def _check_softcap(api: str, softcap) -> float:
+    """Logit soft-capping: 0.0 for None (off), else a finite real > 0 (``TypeError`` / ``ValueError``
+    naming it)."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{api}: softcap={softcap!r}, must be a float > 0 or None")
+    try:
+        value = float(softcap)
+    except OverflowError:  # an int past float's range
+        value = math.inf
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{api}: softcap={softcap!r}, must be a finite float > 0 or None")
+    return value
+
+
+def _check_sinks(api: str, sinks, q_heads: int, engine):
+    """Attention sinks: None, or one finite logit per query head as a host float32 ``[q_heads]``
+    (NumPy, torch of any floating dtype and device, or a device array)."""
+    if sinks is None:
+        return None
+    if is_torch(sinks):
+        sinks = sinks.detach().cpu()  # a parameter (module.sinks) needs no grad here; a copy only off the CPU
+    elif hasattr(sinks, "__cuda_array_interface__"):
+        sinks = engine.to_host(sinks)
+    arr = sinks if isinstance(sinks, np.ndarray) else host_array(sinks)
+    if arr.dtype.kind != "f" and arr.dtype.name != "bfloat16":
+        raise TypeError(f"{api}: sinks dtype={arr.dtype}, must be a floating type")
+    if arr.shape != (q_heads,):
+        raise ValueError(f"{api}: sinks.shape={tuple(arr.shape)}, must be (q_heads,)=({q_heads},)")
+    arr = arr.astype(np.float32)
+    bad = np.flatnonzero(~np.isfinite(arr))
+    if bad.size:
+        raise ValueError(f"{api}: sinks[{int(bad[0])}]={arr[bad[0]]}, must be finite")
+    return arr
+
+
 def _check_heads(api: str, name: str, arr, T: int, heads: int, dim: int, *, multiple: bool = False,
                  storage_dtype=None):
     """A floating ``[T, heads, dim]`` array (``heads`` a multiple of the layer's when ``multiple``).
@@ -374,7 +411,7 @@ def gather_kv(cache, layer: int, slot: int, *, like=None):
 
 
 def varlen_attention(q, cache, layer: int, step: StepIndices, scale: float | None = None, *, layout: str = "thd",
-                     out_dtype=None):
+                     out_dtype=None, softcap: float | None = None, sinks=None):
     """Attention of a step's queries through the cache, computed in float32.
 
     Row b (slot ``step.slot_ids[b]``) attends keys ``[0, step.seqused_k[b])``
@@ -402,6 +439,12 @@ def varlen_attention(q, cache, layer: int, step: StepIndices, scale: float | Non
         The layout of ``q`` and of the result (``spec/slot-cache.md`` §7.4).
     out_dtype : {None, "float16", "bfloat16", "float32"} or a NumPy / torch dtype, optional
         The result's dtype: the float32 values rounded once (to nearest even). None: float32.
+    softcap : float, optional
+        Logit soft-capping (Gemma 2): every scaled score ``s`` becomes
+        ``softcap * tanh(s / softcap)``. None: off.
+    sinks : float [q_heads], optional
+        Attention sinks (gpt-oss): one logit per query head that joins each softmax
+        denominator and carries no value. NumPy, torch (any floating dtype) or a device array.
 
     Returns
     -------
@@ -417,7 +460,8 @@ def varlen_attention(q, cache, layer: int, step: StepIndices, scale: float | Non
     TypeError
         A STATE layer, non-floating ``q``, or ``step`` not a ``StepIndices``.
     ValueError
-        Shapes wrong, a cross row whose slot has no encoder keys, a bad ``layout`` or ``out_dtype``.
+        Shapes wrong, a cross row whose slot has no encoder keys, a bad ``layout`` or ``out_dtype``,
+        ``softcap`` not finite and > 0, ``sinks`` not ``(q_heads,)`` or not finite.
     """
     api = "varlen_attention"
     spec = _layer_spec(api, cache, layer, _KV_KINDS)
@@ -430,7 +474,9 @@ def varlen_attention(q, cache, layer: int, step: StepIndices, scale: float | Non
     q, bhsd = _tokens_input(api, "q", q, layout, T)
     q = _check_heads(api, "q", q, T, spec.kv_heads, spec.head_dim, multiple=True)
     scale = _check_scale(api, scale, spec.head_dim)
+    softcap = _check_softcap(api, softcap)
     engine = cache.engine
+    sinks = _check_sinks(api, sinks, q.shape[1], engine)
     if spec.kind is LayerKind.CROSS_ATTENTION:
         # spec/slot-cache.md §7.3: a cross row reads all of its slot's encoder keys; none is an error.
         empty = np.flatnonzero(engine.to_host(step.cross_seqused_k) == 0)
@@ -443,10 +489,10 @@ def varlen_attention(q, cache, layer: int, step: StepIndices, scale: float | Non
         # spec/slot-cache.md §10.3: keys and values dequantised exactly as gather_kv returns them.
         Ks, Vs = cache._scales[layer]
         out = engine.attend(q, cache.keys(layer), cache.values(layer), spec.kind, spec.window, step, block_size,
-                            float(scale), kv_scales=(Ks, Vs, cache.config.block_size))
+                            float(scale), kv_scales=(Ks, Vs, cache.config.block_size), softcap=softcap, sinks=sinks)
     else:
         out = engine.attend(q, cache.keys(layer), cache.values(layer), spec.kind, spec.window, step, block_size,
-                            float(scale))
+                            float(scale), softcap=softcap, sinks=sinks)
     return _result(api, out, like, bhsd, out_dtype)
 
 
@@ -579,7 +625,7 @@ def gather_step(cache, layer: int, step: StepIndices, *, padded: bool = True, li
 
 # ----------------------------------------------------------------------------- manager ops (spec/manager.md §18)
 
-from ._slot_engine import ReferenceSlotEngine  # noqa: E402  (the manager ops' FP8 write reuses its rule)
+from ._slot_engine import ReferenceSlotEngine, softmax_values  # noqa: E402  (FP8 write and softmax rules reused)
 
 #: Storage dtypes of ``kv_blocks`` the manager ops read and write (CuPy keeps bfloat16 as uint16, FP8 as
 #: uint8 bit patterns: ``kv_dtype=`` names the format of a uint8 buffer).
@@ -684,11 +730,12 @@ class ReferencePagedOps:
         kv_scales[touched, 0, layer], kv_scales[touched, 1, layer] = Ks, Vs
 
     def attend(self, q, kv_blocks, layer: int, lut, lengths, row_offsets, window: int, scale: float,
-               kv_scales=None, fp8: str | None = None):
+               kv_scales=None, fp8: str | None = None, softcap: float = 0.0, sinks=None):
         """float32 ``[T, q_heads, head_dim]``: each query over its row's visible keys (see
         :func:`paged_attention`); a padding query (its own page 0) gives zeros. With ``kv_scales``
         (FP8 pages of format ``fp8``) every key and value is read dequantised: ``float32(x) *
-        kv_scales[page, 0 | 1, layer, head]`` (spec/slot-cache.md §10.3)."""
+        kv_scales[page, 0 | 1, layer, head]`` (spec/slot-cache.md §10.3). ``softcap`` (0.0: off)
+        and ``sinks`` (host float32 ``[q_heads]`` or None) as ``softmax_attend``."""
         T, Hq, D = q.shape
         P, Hk = kv_blocks.shape[3], kv_blocks.shape[4]
         out = np.zeros((T, Hq, D), np.float32)
@@ -717,13 +764,7 @@ class ReferencePagedOps:
             kf = np.repeat(kb, group, axis=1)
             vf = np.repeat(vb, group, axis=1)
             s = np.einsum("qhd,khd->hqk", q[lo:hi].astype(np.float32), kf) * np.float32(scale)
-            s = np.where(mask[None], s, -np.inf)
-            seen = mask.any(axis=1)
-            m = np.where(seen[None, :, None], s.max(axis=-1, keepdims=True), 0)
-            w = np.where(mask[None], np.exp(s - m), 0).astype(np.float32)
-            tot = w.sum(axis=-1, keepdims=True)
-            w = w / np.where(tot > 0, tot, 1)
-            out[lo:hi] = np.einsum("hqk,khd->qhd", w, vf)
+            out[lo:hi] = softmax_values(s, mask[None], vf, softcap, sinks)
         return out
 
 
@@ -968,7 +1009,7 @@ def _append_paged_fp8(api: str, engine, kv, scales, layer: int, k, v, pages, off
 
 def paged_attention(q, kv_blocks, layer: int, inputs, input_row_offsets, *, window: int | None = None,
                     scale: float | None = None, layout: str = "thd", out_dtype=None, kv_dtype: str | None = None,
-                    engine=None):
+                    softcap: float | None = None, sinks=None, engine=None):
     """Causal GQA attention of a step's queries through a manager's pages, in float32 (spec/manager.md §18.4).
 
     Query j of row b sits at ``p = cache_lengths[b] + j`` and attends the keys at positions
@@ -994,6 +1035,10 @@ def paged_attention(q, kv_blocks, layer: int, inputs, input_row_offsets, *, wind
         Of ``q`` and of the result.
     out_dtype : {None, "float16", "bfloat16", "float32"}, optional
         The result rounded once to this dtype; None: float32.
+    softcap : float, optional
+        Logit soft-capping: every scaled score ``s`` becomes ``softcap * tanh(s / softcap)``.
+    sinks : float [q_heads], optional
+        One sink logit per query head in each softmax denominator (no value).
     kv_dtype, engine : optional
         As :func:`append_kv_paged`.
 
@@ -1005,8 +1050,8 @@ def paged_attention(q, kv_blocks, layer: int, inputs, input_row_offsets, *, wind
     Raises
     ------
     TypeError, IndexError, ValueError
-        As :func:`append_kv_paged`; also ``window`` not an int >= 1 or None, a bad ``scale``
-        or ``out_dtype``. Nothing is written.
+        As :func:`append_kv_paged`; also ``window`` not an int >= 1 or None, a bad ``scale``,
+        ``out_dtype``, ``softcap`` (finite, > 0) or ``sinks`` (finite, ``(q_heads,)``). Nothing is written.
     """
     api = "paged_attention"
     engine = _REFERENCE_PAGED if engine is None else engine
@@ -1023,11 +1068,14 @@ def paged_attention(q, kv_blocks, layer: int, inputs, input_row_offsets, *, wind
     Hk, D = int(kv.shape[4]), int(kv.shape[5])
     scales = _paged_scales(api, inputs, kv, lut, engine) if name in _PAGED_FP8 else None
     scale = _check_scale(api, scale, D)
+    softcap = _check_softcap(api, softcap)
     q, bhsd = _tokens_input(api, "q", q, layout, T)
     q = _paged_heads(api, "q", engine.query_input(api, q), T, Hk, D, multiple=True)
+    sinks = _check_sinks(api, sinks, int(q.shape[1]), engine)
     w = 0 if window is None else window
     if scales is None:
-        out = engine.attend(q, kv, layer, lut, lengths, offsets, w, scale)
+        out = engine.attend(q, kv, layer, lut, lengths, offsets, w, scale, softcap=softcap, sinks=sinks)
     else:  # spec/manager.md §18.5: keys and values dequantised
-        out = engine.attend(q, kv, layer, lut, lengths, offsets, w, scale, kv_scales=scales, fp8=name)
+        out = engine.attend(q, kv, layer, lut, lengths, offsets, w, scale, kv_scales=scales, fp8=name,
+                            softcap=softcap, sinks=sinks)
     return _result(api, out, like, bhsd, out_dtype)

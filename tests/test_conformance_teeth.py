@@ -47,6 +47,9 @@ GAPS = [
     ("manager_paths:hit_run_capped", "test_long_hit_run", "hit runs longer than 15 blocks"),
     ("manager_paths:decode_hashes_sha256", "test_prefill_hashes_equal_decode_hashes",
      "xxh3 prefill hashes against decode-filled ones"),
+    ("attention_options:sinks_dropped", "test_attention_softcap_and_sinks", "sinks taken and ignored"),
+    ("attention_options:softcap_before_scale", "test_softcap_and_sinks_equal_kvref",
+     "a soft-cap applied before the score scale"),
 ]
 
 #: K/V bugs the slot-cache state machine finds alone (no directed test).

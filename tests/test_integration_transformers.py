@@ -23,7 +23,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from transformers import (DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig,  # noqa: E402
+from transformers import (DynamicCache, Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel,  # noqa: E402
+                          GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 from kvcache.integrations.transformers import (ATTENTION_NAME, ContinuousBatchingGenerator,  # noqa: E402
@@ -33,7 +34,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
 TOL_KVCACHE_ATTN_BF16 = 2e-2
 BACKENDS = ["kvfast", "kvref"]
-MODELS = ["llama", "qwen2", "mistral"]
+#: gemma2: soft-capped logits, sliding and full layers; gpt_oss: attention sinks, sliding layers, MoE;
+#: gpt2: every head a K/V head, whatever ``num_key_value_heads`` the config also carries.
+MODELS = ["llama", "qwen2", "mistral", "gemma2", "gpt_oss", "gpt2"]
 _CACHE: dict = {}
 
 
@@ -58,8 +61,16 @@ def tiny_model(kind: str, dtype=torch.float32):
         elif kind == "qwen2":   # layer 0 full, layers 1-2 sliding (window 6)
             cls, cfg = Qwen2ForCausalLM, Qwen2Config(use_sliding_window=True, sliding_window=6, max_window_layers=1,
                                                      **common)
-        else:                   # every layer sliding (window 5)
+        elif kind == "mistral":  # every layer sliding (window 5)
             cls, cfg = MistralForCausalLM, MistralConfig(sliding_window=5, **common)
+        elif kind == "gemma2":   # attention logits soft-capped at 50 (and final logits at 30), layers sliding / full
+            cls, cfg = Gemma2ForCausalLM, Gemma2Config(head_dim=16, sliding_window=5, attn_logit_softcapping=2.0,
+                                                       **common)
+        elif kind == "gpt_oss":  # one sink logit per query head, sliding / full layers, 4 experts
+            cls, cfg = GptOssForCausalLM, GptOssConfig(head_dim=16, sliding_window=5, num_local_experts=4,
+                                                       num_experts_per_tok=2, **common)
+        else:                    # GPT-2: learned positions, multi-head (num_key_value_heads is not read)
+            cls, cfg = GPT2LMHeadModel, GPT2Config(n_inner=128, **common)
         torch.manual_seed(0)
         model = cls(cfg).eval()
         _CACHE[key] = model.to(dtype) if dtype != torch.float32 else model
@@ -306,13 +317,15 @@ REQUESTS = [SYSTEM + [i, i + 1, 40 + i] for i in range(5)] + [[3, 4, 5], SYSTEM 
 @pytest.mark.parametrize("kind", MODELS)
 def test_continuous_batching_equals_per_request_greedy(kind, backend):
     model = tiny_model(kind)
+    saved = model.config._attn_implementation                       # sdpa, or eager (Gemma 2, gpt-oss)
     gen = ContinuousBatchingGenerator(model, backend=backend, num_blocks=40, page_size=4, max_batch_size=3,
                                       max_seq_len=32, chunk_size=6)
+    assert model.config._attn_implementation == saved                # the geometry probe restores it
     tokens = gen.generate(REQUESTS, 6)
     assert tokens == [_reference(model, p, 6) for p in REQUESTS]
     assert gen.stats.admissions_with_hit > 0 and gen.stats.prefix_hit_tokens > 0
     assert gen.stats.chunked_prefill_steps > 0
-    assert model.config._attn_implementation == "sdpa"               # restored
+    assert model.config._attn_implementation == saved                # restored
     assert gen.manager.block_count().used == 0                       # nothing leaked
 
 
@@ -442,3 +455,13 @@ def test_release_and_admit_reuse_a_prefix_in_generate(backend):
     assert torch.equal(again, model.generate(follow, max_new_tokens=5, do_sample=False))
     cache.reset()
     assert cache.get_seq_length() == 0
+
+
+def test_generator_reads_the_kv_geometry_the_layers_use():
+    """GPT-2 attends with all 4 heads though its config also carries num_key_value_heads=2: the
+    generator's pages take the K/V the layers hand over (one probe forward), not the config's count."""
+    model = tiny_model("gpt2")
+    assert model.config.num_key_value_heads == 2
+    gen = ContinuousBatchingGenerator(model, num_blocks=16, page_size=4, max_seq_len=32)
+    params = gen.manager.params
+    assert (params.kv_heads, params.head_dim, params.num_layers) == (4, 16, 3)

@@ -56,7 +56,7 @@ def _manager(pkg=kvref, dtype="float32", num_blocks=24):
     return pkg.PagedKVCacheManager(params, num_blocks=num_blocks, max_batch_size=4, max_seq_len=48)
 
 
-def _run(engines, dtype="float32", window=None, pkg=kvref, steps=3):
+def _run(engines, dtype="float32", window=None, pkg=kvref, steps=3, softcap=None, sinks=None):
     """A prefill of two rows (7 and 3 tokens), then decode steps; returns every engine's buffer bytes."""
     mgr = _manager(pkg, dtype)
     rng = np.random.default_rng(7)
@@ -78,7 +78,8 @@ def _run(engines, dtype="float32", window=None, pkg=kvref, steps=3):
         outs = []
         for e, buf in zip(engines, bufs):
             e.ops.append_kv_paged(buf, 1, k, v, e.inputs(inp), off)
-            outs.append(e.host(e.ops.paged_attention(q, buf, 1, e.inputs(inp), off, window=window)))
+            outs.append(e.host(e.ops.paged_attention(q, buf, 1, e.inputs(inp), off, window=window, softcap=softcap,
+                                                     sinks=sinks)))
         first = engines[0].host(bufs[0])
         for e, buf in zip(engines[1:], bufs[1:]):
             assert e.host(buf).tobytes() == first.view(e.host(buf).dtype).tobytes(), \
@@ -92,7 +93,7 @@ def _run(engines, dtype="float32", window=None, pkg=kvref, steps=3):
             hk.append(k[off[b]:off[b + 1]].astype(stored).astype(np.float32))
             hv.append(v[off[b]:off[b + 1]].astype(stored).astype(np.float32))
             want, _ = dense_attention(q[off[b]:off[b + 1]], np.concatenate(hk), np.concatenate(hv), c.processed_length,
-                                      window)
+                                      window, softcap=softcap, sinks=sinks)
             np.testing.assert_allclose(outs[0][off[b]:off[b + 1]], want, rtol=1e-5, atol=2e-6,
                                        err_msg=f"kvref vs dense, row {b} step {it}")
         for c in ctxs:
@@ -108,6 +109,46 @@ def test_engines_agree_with_kvref_and_dense_attention(engines, dtype):
 
 def test_sliding_window_and_a_kvfast_manager(engines):
     _run(engines, "float32", window=3, pkg=kvfast, steps=2)
+
+
+SINKS = np.array([0.5, -1.0, 2.0, 0.0], np.float32)   # one per query head (HQ = 4)
+
+
+@pytest.mark.parametrize("softcap, sinks, window", [(0.7, None, None), (None, SINKS, None), (1.5, SINKS, 3),
+                                                    (None, SINKS * 4, 2)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_softcap_and_sinks_on_every_engine(engines, dtype, softcap, sinks, window):
+    """Soft-capped scores and sink logits (spec/slot-cache.md §7.3): every engine equals kvref, and
+    kvref the float64 formula; a torch ``sinks`` (a module's parameter) reads the same."""
+    _run(engines, dtype, window=window, softcap=softcap, sinks=sinks, steps=2)
+
+
+def test_softcap_and_sinks_are_checked():
+    import torch
+
+    mgr = _manager()
+    c = TextContext("a", np.arange(5, dtype=np.int32))
+    mgr.claim(c)
+    mgr.alloc(c)
+    inp = mgr.runtime_inputs([[c]]).inputs[0]
+    buf, off, q = inp.kv_blocks, np.array([0, 5]), np.ones((5, HQ, D), np.float32)
+    before = np.asarray(buf).tobytes()
+    for ops in (kvref.ops, kvfast.ops):
+        for bad, err, text in ((0.0, ValueError, "softcap=0.0, must be a finite float > 0 or None"),
+                               (float("nan"), ValueError, "softcap=nan"), ("1", TypeError, "softcap='1'"),
+                               (True, TypeError, "softcap=True")):
+            with pytest.raises(err, match=text.replace("(", r"\(").replace(")", r"\)")):
+                ops.paged_attention(q, buf, 0, inp, off, softcap=bad)
+        with pytest.raises(ValueError, match=r"sinks.shape=\(3,\), must be \(q_heads,\)=\(4,\)"):
+            ops.paged_attention(q, buf, 0, inp, off, sinks=np.zeros(3, np.float32))
+        with pytest.raises(ValueError, match=r"sinks\[1\]=nan, must be finite"):
+            ops.paged_attention(q, buf, 0, inp, off, sinks=np.array([0, np.nan, 0, 0], np.float32))
+        with pytest.raises(TypeError, match="sinks dtype=int64, must be a floating type"):
+            ops.paged_attention(q, buf, 0, inp, off, sinks=np.zeros(4, np.int64))
+        got = ops.paged_attention(q, buf, 0, inp, off, sinks=torch.nn.Parameter(torch.from_numpy(SINKS)))
+        want = ops.paged_attention(q, buf, 0, inp, off, sinks=SINKS)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert np.asarray(buf).tobytes() == before
 
 
 def _one_step(dtype="float32"):

@@ -666,7 +666,8 @@ class SlotKVCache(Cache):
             self._commit()
         return out
 
-    def _attend(self, layer: int, query: torch.Tensor, scaling: Optional[float]) -> torch.Tensor:
+    def _attend(self, layer: int, query: torch.Tensor, scaling: Optional[float], softcap: Optional[float] = None,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``ops.varlen_attention`` of the step's packed queries: ``[B, S, q_heads, head_dim]``, query's dtype."""
         B, Hq, S, D = query.shape
         q = query.transpose(1, 2).reshape(B * S, Hq, D)
@@ -674,7 +675,11 @@ class SlotKVCache(Cache):
             # The attention widens q to float32 either way: widened here (exact, float16 / bfloat16 ->
             # float32), it goes in and comes out as NumPy, without two torch <-> NumPy conversions.
             q = (q if q.dtype is torch.float32 else q.float()).numpy()
-        out = self._pkg.ops.varlen_attention(q, self._kv, layer, self._step, scale=scaling)
+        if softcap is None and sinks is None:
+            out = self._pkg.ops.varlen_attention(q, self._kv, layer, self._step, scale=scaling)
+        else:
+            out = self._pkg.ops.varlen_attention(q, self._kv, layer, self._step, scale=scaling, softcap=softcap,
+                                                 sinks=sinks)
         out = out if isinstance(out, torch.Tensor) else torch.from_numpy(np.asarray(out))
         return out.to(query.dtype).view(B, S, Hq, D)
 
@@ -841,7 +846,13 @@ def kvcache_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     RuntimeError
         No kvcache cache ran this forward's ``update`` (pass a :class:`SlotKVCache`).
     ValueError
-        A padding mask, dropout, a sliding window the cache's layer does not have, softcap or sinks.
+        A padding mask, dropout, a sliding window the cache's layer does not have; a ``softcap``
+        or sinks (``s_aux``) the ops refuse (spec/slot-cache.md §7.3).
+
+    Notes
+    -----
+    ``softcap`` (logit soft-capping, Gemma 2) and ``s_aux`` (one sink logit per query head,
+    gpt-oss), as transformers passes them, are applied as the ops' ``softcap`` and ``sinks``.
     """
     api = "kvcache_attention"
     cache = _ACTIVE.get()
@@ -853,12 +864,7 @@ def kvcache_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                          "batches are pad-free: pack the rows (SlotKVCache.prepare_packed)")
     if dropout:
         raise ValueError(f"{api}: dropout={dropout}, must be 0")
-    for name in ("softcap", "s_aux"):   # logit soft-capping (Gemma 2), attention sinks (gpt-oss)
-        value = kwargs.get(name)
-        if value is not None:
-            shown = f"tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
-            raise ValueError(f"{api}: {name}={shown} is not supported; use attn_implementation='sdpa' or 'eager' "
-                             "with a SlotKVCache")
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")   # Gemma 2's soft-capping, gpt-oss's sinks
     layer = int(module.layer_idx)
     if cache._pending != layer:   # a cache of an earlier forward, or update() was not called for this layer
         raise RuntimeError(f"{api}: no kvcache step is open for layer {layer}; pass cache=SlotKVCache(model.config) "
@@ -868,7 +874,7 @@ def kvcache_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if window is not None and cache.windows[layer] != int(window):
         raise ValueError(f"{api}: sliding_window={window} but the cache's layer {layer} has "
                          f"window={cache.windows[layer]}")
-    return cache._attend(layer, query, scaling), None
+    return cache._attend(layer, query, scaling, softcap, sinks), None
 
 
 def _pad_only_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
@@ -1013,7 +1019,10 @@ class _ManagerStep(Cache):
             self._read[key] = plan
         return plan
 
-    def _attend(self, layer: int, query: torch.Tensor, scaling: Optional[float]) -> torch.Tensor:
+    def _attend(self, layer: int, query: torch.Tensor, scaling: Optional[float], softcap: Optional[float] = None,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Causal GQA attention of the packed queries through the step's pages, float32 math:
+        ``softcap`` and ``sinks`` as ``ops.paged_attention`` applies them (spec/slot-cache.md §7.3)."""
         inp = self._per_layer[layer]
         kv = self._buf[id(inp)]
         pages, offs, allowed = self._read_plan(inp, self.windows[layer])
@@ -1026,10 +1035,69 @@ class _ManagerStep(Cache):
         q = query[0].transpose(0, 1).float()                          # [T, Hq, D]
         scale = scaling if scaling is not None else D ** -0.5
         s = torch.einsum("thd,tlhd->thl", q, k) * scale
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
         s = s.masked_fill(~allowed[:, None, :], float("-inf"))
-        p = torch.softmax(s, dim=-1)
+        if sinks is None:
+            p = torch.softmax(s, dim=-1)
+        else:   # one value-less logit per head in every denominator
+            sink = sinks.detach().float().reshape(1, Hq, 1).expand(T, Hq, 1)
+            p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
         out = torch.einsum("thl,tlhd->thd", p, v)
         return out.to(query.dtype)[None]
+
+
+class _Probed(Exception):
+    """Raised by :class:`_GeometryProbe` once it has seen layer 0's K/V: the probe forward stops there."""
+
+
+class _GeometryProbe(Cache):
+    """A cache that records the shape of the first K/V a forward hands it, then stops the forward."""
+
+    def __init__(self):
+        super().__init__(layers=[])
+        self._varlen = True
+        self.shape: Optional[tuple[int, ...]] = None
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return query_length, 0
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.shape = tuple(key_states.shape)
+        raise _Probed
+
+
+def _kv_geometry(api: str, model) -> tuple[int, int, int]:
+    """``(num_layers, kv_heads, head_dim)`` of the K/V the model's layers hand their cache.
+
+    The config's ``num_key_value_heads`` is not what every architecture uses (GPT-2 and GPT-NeoX
+    attend with all their heads whatever it says), so the heads and the head size are read from
+    one probe forward of one token, stopped at layer 0's ``update``; the config's values are the
+    fallback of a model the probe cannot run.
+    """
+    num_layers, kv_heads, head_dim = _geometry(api, model.config)
+    probe = _GeometryProbe()
+    saved = getattr(model.config, "_attn_implementation", None)
+    try:
+        if saved != ATTENTION_NAME:
+            model.set_attn_implementation(ATTENTION_NAME)
+        with torch.no_grad():
+            model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=model.device), use_cache=True,
+                  position_ids=torch.zeros((1, 1), dtype=torch.long, device=model.device),
+                  **{_cache_kwarg(model): probe})
+    except _Probed:
+        pass
+    except Exception:   # a model the probe cannot drive: the config's geometry
+        probe.shape = None
+    finally:
+        if saved != ATTENTION_NAME:
+            model.set_attn_implementation(saved)
+    if probe.shape is not None and len(probe.shape) == 4:
+        kv_heads, head_dim = int(probe.shape[1]), int(probe.shape[3])
+    return num_layers, kv_heads, head_dim
 
 
 class ContinuousBatchingGenerator:
@@ -1076,7 +1144,7 @@ class ContinuousBatchingGenerator:
         self.model = model
         self._pkg = kv = _backend(api, backend)
         self.windows = layer_windows(model.config)
-        num_layers, kv_heads, head_dim = _geometry(api, model.config)
+        num_layers, kv_heads, head_dim = _kv_geometry(api, model)
         self.page_size = _check_positive(api, "page_size", page_size)
         self.max_batch_size = _check_positive(api, "max_batch_size", max_batch_size)
         self.chunk_size = _check_positive(api, "chunk_size", chunk_size)

@@ -28,6 +28,11 @@ def _strides(kv) -> tuple[int, ...]:
     return tuple(int(s) // it for s in kv.strides)
 
 
+def _f32_bits(x: float) -> int:
+    """The bits of ``x`` rounded to float32, as an unsigned integer (how the kernels take a float)."""
+    return struct.unpack("<I", struct.pack("<f", np.float32(x)))[0]
+
+
 def _tables(lut, lengths, row_offsets):
     """The index arrays as the kernels take them: contiguous device ``uint32``, ``uint32``, ``int64``."""
     cp = cupy()
@@ -67,7 +72,7 @@ def paged_append(key, value, kv, layer: int, lut, lengths, row_offsets) -> None:
 
 
 def paged_attention(q, kv, layer: int, lut, lengths, row_offsets, *, window: int, scale: float, kv_format: int,
-                    kv_scales=None):
+                    kv_scales=None, softcap: float = 0.0, sinks=None):
     """float32 ``[T, q_heads, head_dim]``: the attention of ``q`` through ``kv`` (spec/manager.md §18.4).
 
     Parameters
@@ -84,6 +89,25 @@ def paged_attention(q, kv, layer: int, lut, lengths, row_offsets, *, window: int
     kv_scales : cupy.ndarray float32 [num_blocks, 2, num_layers, kv_heads], optional
         FP8 pages' scales (any strides): each key and value read as ``float(x) * scale``
         (spec/manager.md §18.5). Required for FP8 formats, refused otherwise.
+    softcap : float
+        Logit soft-capping (Gemma 2): each score ``s = scale * dot(q, k)`` becomes ``softcap *
+        tanh(s / softcap)`` before the softmax; 0.0 (the default) leaves the scores as they are.
+        Passed to the kernel as its float32 bits (0 bits: off).
+    sinks : numpy.ndarray or cupy.ndarray float32 [q_heads], optional
+        Per-head sink logits (gpt-oss): with ``m`` the largest of head h's visible scores and
+        ``sinks[h]``, the output is ``sum_k exp(s_k - m) v_k / (sum_k exp(s_k - m) + exp(sinks[h] -
+        m))``; host arrays are copied to the device. A query that sees no key still gives zeros.
+        None: no sinks (the kernel gets a one-element array it does not read).
+
+    Returns
+    -------
+    cupy.ndarray float32 [T, q_heads, head_dim]
+
+    Raises
+    ------
+    ValueError
+        FP8 pages without their scales (or scales for other pages), ``kv_scales`` of the wrong
+        dtype or shape, ``sinks`` not of shape ``[q_heads]``.
     """
     cp = cupy()
     q = cp.ascontiguousarray(q, dtype=cp.float32)
@@ -103,13 +127,20 @@ def paged_attention(q, kv, layer: int, lut, lengths, row_offsets, *, window: int
         scales, sstrides = kv_scales, tuple(int(n) // 4 for n in kv_scales.strides)
     else:
         scales, sstrides = cp.ones((1,), cp.float32), (0, 0, 0, 0)  # every value times 1.0f: exact
+    if sinks is None:
+        sinks_arg, has_sinks = cp.zeros((1,), cp.float32), 0
+    else:
+        sinks_arg, has_sinks = cp.ascontiguousarray(cp.asarray(sinks), dtype=cp.float32), 1
+        if sinks_arg.shape != (Hq,):
+            raise ValueError(f"paged_attention: sinks shape={tuple(sinks_arg.shape)}, must be [q_heads] = ({Hq},)")
     lut, lengths, row_offsets = _tables(lut, lengths, row_offsets)
     kern = get_kernel(FILE, "paged_attention_kernel", kv.dtype.itemsize, kv.device.id)
     threads = int(min(128, -(-Hq // 32) * 32))
-    bits = struct.unpack("<I", struct.pack("<f", np.float32(scale)))[0]
+    bits = _f32_bits(scale)
+    cap_bits = 0 if np.float32(softcap) == 0 else _f32_bits(softcap)  # -0.0 (and what rounds to 0) is off too
     kern((T,), (threads,),
-         (q, kv, lut, lengths, row_offsets, out, scales, cp.int64(T), cp.int64(lengths.shape[0]),
+         (q, kv, lut, lengths, row_offsets, out, scales, sinks_arg, cp.int64(T), cp.int64(lengths.shape[0]),
           cp.int64(lut.shape[1]), cp.int64(layer), cp.int64(Hq), cp.int64(kv.shape[4]), cp.int64(D),
-          cp.int64(kv.shape[3]), cp.int64(window), cp.int64(kv_format), cp.int64(bits), *map(cp.int64, _strides(kv)),
-          *map(cp.int64, sstrides)))
+          cp.int64(kv.shape[3]), cp.int64(window), cp.int64(kv_format), cp.int64(bits), cp.int64(cap_bits),
+          cp.int64(has_sinks), *map(cp.int64, _strides(kv)), *map(cp.int64, sstrides)))
     return out

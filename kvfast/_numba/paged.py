@@ -9,7 +9,9 @@ computes every address from its byte strides in 64-bit arithmetic.
   as unsigned words of its size): token ``t`` goes to ``kv[pages[t], 0/1, layer, offsets[t]]``,
   page 0 (the null page: padding) skipped.
 * :func:`attend_paged` computes in float32: per query (token, head) one pass for the largest
-  score, one for the weights and the weighted values, then the division. A 16-bit buffer
+  score (soft-capped, ``softcap * tanh(s / softcap)``, when ``softcap`` is not 0; the head's
+  sink logit included when there are sinks), one for the weights and the weighted values (the
+  sink's weight joins the denominator, with no value), then the division. A 16-bit buffer
   (float16 or bfloat16 bits as ``uint16``) is read through a 65536-entry float32 table of its
   values (exact); a float32 buffer directly; FP8 pages (``uint8`` bits) through the 256-entry
   table of their format, times their page-head's scale (spec/manager.md §18.5).
@@ -60,7 +62,8 @@ def _value_of(kv, table, x):
 
 
 @njit(cache=True, nogil=True)
-def attend_paged(kv, table, layer, q, lut, lengths, row_offsets, window, scale, out, scales, scaled):
+def attend_paged(kv, table, layer, q, lut, lengths, row_offsets, window, scale, out, scales, scaled, softcap,
+                 sinks, has_sinks):
     """float32 attention of ``q [T, q_heads, head_dim]`` into the zeroed ``out`` (spec/manager.md §18.4).
 
     ``kv`` float32, or ``uint16`` words read through ``table`` (:func:`decode_table`), or FP8
@@ -69,11 +72,19 @@ def attend_paged(kv, table, layer, q, lut, lengths, row_offsets, window, scale, 
     the dequantised value, spec/manager.md §18.5; unscaled, ``scales`` is not read); ``lut``
     int64 [B, cols], ``lengths`` int64 [B], ``row_offsets`` int64 [B + 1]; ``window`` 0 for
     full attention.
+
+    Each score is ``s = scale * dot(q, k)``, then, when ``softcap`` is not 0, ``softcap *
+    tanh(s / softcap)`` (logit soft-capping). With ``has_sinks``, ``sinks`` (float32 [q_heads])
+    holds each query head's sink logit: it joins the largest score ``m`` and the denominator
+    (``exp(sinks[h] - m)``) and has no value; without, ``sinks`` is not read. A query that sees
+    no key keeps its zeros.
     """
     P, Hk, D = kv.shape[3], kv.shape[4], kv.shape[5]
     Hq = q.shape[1]
     group = Hq // Hk
     sc = np.float32(scale)
+    cap = np.float32(softcap)
+    capped = cap != np.float32(0.0)
     B = lengths.shape[0]
     longest = 1
     for b in range(B):
@@ -105,12 +116,17 @@ def attend_paged(kv, table, layer, q, lut, lengths, row_offsets, window, scale, 
                     for d in range(D):
                         s += q[t, h, d] * (value_of(kv, table, kv[pg, 0, layer, o, kh, d]) * ks)
                     s *= sc
+                    if capped:
+                        s = cap * np.tanh(s / cap)
                     scores[key - k0] = s
                     if not seen or s > m:
                         m = s
                         seen = True
                 if not seen:
                     continue
+                sink = sinks[h] if has_sinks else np.float32(0.0)
+                if has_sinks and sink > m:
+                    m = sink
                 for d in range(D):
                     acc[d] = np.float32(0.0)
                 total = np.float32(0.0)
@@ -124,6 +140,8 @@ def attend_paged(kv, table, layer, q, lut, lengths, row_offsets, window, scale, 
                     total += w
                     for d in range(D):
                         acc[d] += w * (value_of(kv, table, kv[pg, 1, layer, o, kh, d]) * vs)
+                if has_sinks:
+                    total += np.exp(sink - m)
                 for d in range(D):
                     out[t, h, d] = acc[d] / total
 

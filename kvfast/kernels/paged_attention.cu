@@ -21,6 +21,10 @@
 //                   each row's kv_heads * head_dim elements contiguous (paged_append_kernel)
 //   q               float32 [num_tokens, q_heads, head_dim], contiguous (paged_attention_kernel)
 //   out             float32 [num_tokens, q_heads, head_dim], contiguous, zero on entry
+//   sinks           float32 [q_heads]: each query head's sink logit (read only when has_sinks
+//                   != 0; otherwise one unread element)
+//   scale_bits,     the float32 bits of the score scale and of the soft cap (0 bits: no cap):
+//   softcap_bits    a score is s = scale * dot(q, k), then softcap * tanhf(s / softcap)
 // Token t of row b (found by a binary search of row_offsets) sits at position
 // p = lengths[b] + t - row_offsets[b], on page lut[b, p / page_size] at offset p % page_size.
 // A token whose page is 0 is padding: paged_append_kernel skips it (its rows are not read),
@@ -33,14 +37,16 @@
 //                                 (16-byte vectors when aligned), any other one element by element.
 //          paged_attention_kernel grid (num_tokens), block (min(q_heads, 128) rounded up to a
 //                                 warp); one thread per query head, striding; per query a pass
-//                                 for the largest score, then a pass accumulating exp-weighted
-//                                 values into out, then the division (float32 throughout);
-//                                 each key's and value's scale read once per key.
+//                                 for the largest score (with the head's sink logit, when
+//                                 has_sinks and the query saw a key), then a pass accumulating
+//                                 exp-weighted values into out, then the division by the
+//                                 weights' sum plus the sink's exp(sink - m) (float32
+//                                 throughout); each key's and value's scale read once per key.
 //          No shared memory, no __syncthreads: threads share nothing but their inputs.
 #include "common.cuh"
 
 #if !defined(__CUDACC__)
-#include <math.h>  // the host harness build: expf (NVRTC has it built in)
+#include <math.h>  // the host harness build: expf, tanhf (NVRTC has them built in)
 #endif
 
 __device__ __forceinline__ float pa_bits_f32(u32 u) {
@@ -85,6 +91,12 @@ template <> __device__ __forceinline__ float pa_value<u16>(u16 x, i64 fmt) {
 }
 template <> __device__ __forceinline__ float pa_value<u8>(u8 x, i64 fmt) { return pa_fp8_f32(x, fmt); }
 
+// A score from its dot product: times the scale, then soft-capped unless cap == 0.
+__device__ __forceinline__ float pa_score(float dot, float scale, float cap) {
+  const float s = dot * scale;
+  return cap != 0.0f ? cap * tanhf(s / cap) : s;
+}
+
 // The row of token t: the largest b with row_offsets[b] <= t (then row_offsets[b + 1] > t).
 __device__ __forceinline__ i64 pa_row_of(const i64* __restrict__ row_offsets, i64 num_rows, i64 t) {
   i64 lo = 0, hi = num_rows - 1;
@@ -125,9 +137,10 @@ template <typename T>
 __device__ __forceinline__ void paged_attention_impl(
     const float* __restrict__ q, const T* __restrict__ kv, const u32* __restrict__ lut,
     const u32* __restrict__ lengths, const i64* __restrict__ row_offsets, float* __restrict__ out,
-    const float* __restrict__ scales, i64 num_tokens, i64 num_rows, i64 lut_cols, i64 layer, i64 q_heads,
-    i64 kv_heads, i64 head_dim, i64 page_size, i64 window, i64 kv_format, i64 scale_bits, i64 s0, i64 s1,
-    i64 s2, i64 s3, i64 s4, i64 s5, i64 ss0, i64 ss1, i64 ss2, i64 ss3) {
+    const float* __restrict__ scales, const float* __restrict__ sinks, i64 num_tokens, i64 num_rows,
+    i64 lut_cols, i64 layer, i64 q_heads, i64 kv_heads, i64 head_dim, i64 page_size, i64 window,
+    i64 kv_format, i64 scale_bits, i64 softcap_bits, i64 has_sinks, i64 s0, i64 s1, i64 s2, i64 s3, i64 s4,
+    i64 s5, i64 ss0, i64 ss1, i64 ss2, i64 ss3) {
   const i64 t = blockIdx.x;
   if (t >= num_tokens) return;
   const i64 b = pa_row_of(row_offsets, num_rows, t);
@@ -136,6 +149,7 @@ __device__ __forceinline__ void paged_attention_impl(
   if (row[p / page_size] == 0) return;  // a padding query: zeros
   const i64 k0 = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
   const float scale = pa_bits_f32((u32)scale_bits);
+  const float cap = pa_bits_f32((u32)softcap_bits);
   const i64 group = q_heads / kv_heads;
   for (i64 h = threadIdx.x; h < q_heads; h += blockDim.x) {
     const float* __restrict__ qh = q + (t * q_heads + h) * head_dim;
@@ -151,10 +165,12 @@ __device__ __forceinline__ void paged_attention_impl(
       const float ks = scales[page * ss0 + soff];
       float s = 0.0f;
       for (i64 d = 0; d < head_dim; ++d) s += qh[d] * (pa_value<T>(kr[d * s5], kv_format) * ks);
-      s *= scale;
+      s = pa_score(s, scale, cap);
       if (!seen || s > m) { m = s; seen = true; }
     }
-    if (!seen) continue;
+    if (!seen) continue;  // no key: zeros, sink or not
+    const float sink = has_sinks ? sinks[h] : 0.0f;
+    if (has_sinks && sink > m) m = sink;
     float total = 0.0f;
     for (i64 key = k0; key <= p; ++key) {  // pass 2: weights and weighted values
       const i64 page = row[key / page_size];
@@ -165,10 +181,11 @@ __device__ __forceinline__ void paged_attention_impl(
       const float ks = scales[page * ss0 + soff], vs = scales[page * ss0 + soff + ss1];
       float s = 0.0f;
       for (i64 d = 0; d < head_dim; ++d) s += qh[d] * (pa_value<T>(kr[d * s5], kv_format) * ks);
-      const float w = expf(s * scale - m);
+      const float w = expf(pa_score(s, scale, cap) - m);
       total += w;
       for (i64 d = 0; d < head_dim; ++d) oh[d] += w * (pa_value<T>(vr[d * s5], kv_format) * vs);
     }
+    if (has_sinks) total += expf(sink - m);  // the sink's weight: in the denominator, no value
     for (i64 d = 0; d < head_dim; ++d) oh[d] = oh[d] / total;
   }
 }
@@ -187,14 +204,15 @@ __device__ __forceinline__ void paged_attention_impl(
   extern "C" __global__ void paged_attention_kernel_##T(                                        \
       const float* __restrict__ q, const T* __restrict__ kv, const u32* __restrict__ lut,       \
       const u32* __restrict__ lengths, const i64* __restrict__ row_offsets,                     \
-      float* __restrict__ out, const float* __restrict__ scales, i64 num_tokens, i64 num_rows,  \
-      i64 lut_cols, i64 layer, i64 q_heads, i64 kv_heads, i64 head_dim, i64 page_size,          \
-      i64 window, i64 kv_format, i64 scale_bits, i64 s0, i64 s1, i64 s2, i64 s3, i64 s4, i64 s5, \
-      i64 ss0, i64 ss1, i64 ss2, i64 ss3) {                                                     \
-    paged_attention_impl<T>(q, kv, lut, lengths, row_offsets, out, scales, num_tokens,          \
+      float* __restrict__ out, const float* __restrict__ scales,                                \
+      const float* __restrict__ sinks, i64 num_tokens, i64 num_rows, i64 lut_cols, i64 layer,   \
+      i64 q_heads, i64 kv_heads, i64 head_dim, i64 page_size, i64 window, i64 kv_format,        \
+      i64 scale_bits, i64 softcap_bits, i64 has_sinks, i64 s0, i64 s1, i64 s2, i64 s3, i64 s4,  \
+      i64 s5, i64 ss0, i64 ss1, i64 ss2, i64 ss3) {                                             \
+    paged_attention_impl<T>(q, kv, lut, lengths, row_offsets, out, scales, sinks, num_tokens,   \
                             num_rows, lut_cols, layer, q_heads, kv_heads, head_dim, page_size,  \
-                            window, kv_format, scale_bits, s0, s1, s2, s3, s4, s5, ss0, ss1,    \
-                            ss2, ss3);                                                          \
+                            window, kv_format, scale_bits, softcap_bits, has_sinks, s0, s1, s2, \
+                            s3, s4, s5, ss0, ss1, ss2, ss3);                                    \
   }
 
 PAGED_ENTRY(u8)

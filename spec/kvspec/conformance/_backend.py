@@ -55,6 +55,8 @@ CAPABILITIES: dict[str, str] = {
                    "(spec/manager.md §15)",
     "fp8_kv": "the manager's FP8 pages with per-page scales: get_device_scales_buffer, scale runtime inputs "
               "(spec/manager.md §16)",
+    "attention_options": "ops.varlen_attention and ops.paged_attention take softcap= and sinks= "
+                         "(spec/slot-cache.md §7.3)",
 }
 
 

@@ -107,6 +107,44 @@ def test_append_and_attention_equal_kvref(kv_backend, kv_oracle, dtype):
     p.agree()
 
 
+def test_softcap_and_sinks_equal_kvref(kv_backend, kv_oracle):
+    """spec/manager.md §18.4 with spec/slot-cache.md §7.3's options: soft-capped scores and one
+    sink logit per query head, with and without a window, equal kvref's; bad values raise kvref's
+    error type and write nothing."""
+    ops = _ops(kv_backend)
+    require(kv_backend, "attention_options")
+    import kvref
+
+    p = _two_rows(kv_backend, kv_oracle, "float32")
+    rng = np.random.default_rng(12)
+    sinks = np.array([0.5, -1.5, 2.0, 0.0], np.float32)
+    for it in range(2):
+        ref_in, sut_in, q_lens, off = _step_inputs(p)
+        T = int(off[-1])
+        k, v = (rng.standard_normal((T, H, D)).astype(np.float32) for _ in range(2))
+        q = rng.standard_normal((T, HQ, D)).astype(np.float32) * 3
+        kvref.ops.append_kv_paged(ref_in.kv_blocks, 1, k, v, ref_in, off)
+        ops.append_kv_paged(sut_in.kv_blocks, 1, k, v, sut_in, off)
+        for window, softcap, sink in ((None, 1.5, None), (None, None, sinks), (3, 0.75, sinks)):
+            kw = dict(window=window, softcap=softcap, sinks=sink)
+            want = kvref.ops.paged_attention(q, ref_in.kv_blocks, 1, ref_in, off, **kw)
+            got = to_numpy(ops.paged_attention(q, sut_in.kv_blocks, 1, sut_in, off, **kw))
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6,
+                                       err_msg=f"step {it} {kw}: paged_attention (spec/slot-cache.md §7.3)")
+        before = to_numpy(sut_in.kv_blocks).tobytes()
+        for bad, exc in ((dict(softcap=0.0), ValueError), (dict(softcap="1"), TypeError),
+                         (dict(sinks=sinks[:3]), ValueError), (dict(sinks=np.full(4, np.nan, np.float32)), ValueError)):
+            with pytest.raises(exc):
+                ops.paged_attention(q, sut_in.kv_blocks, 1, sut_in, off, **bad)
+        assert to_numpy(sut_in.kv_blocks).tobytes() == before, "a refused paged_attention wrote"
+        for rid in "ab":
+            token = int(rng.integers(0, 50))
+            for cs in (p.ctx_ref, p.ctx_sut):
+                cs[rid].update(token)
+            p.ok(f"manager.step(ctx_{rid})", lambda m, cs, rid=rid: m.step(cs[rid]))
+    p.agree()
+
+
 def test_refused_calls_write_nothing(kv_backend, kv_oracle):
     """spec/manager.md §18.2: the checks precede the write; the same error type as kvref's."""
     ops = _ops(kv_backend)

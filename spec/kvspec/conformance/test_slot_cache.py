@@ -340,6 +340,41 @@ def test_attention_through_cache(kv_backend, kv_oracle, mode):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5, err_msg=f"varlen_attention layer {l}")
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_attention_softcap_and_sinks(kv_backend, kv_oracle, mode):
+    """spec/slot-cache.md §7.3: ``softcap`` and ``sinks`` through the cache equal kvref's; bad
+    values raise kvref's error type."""
+    if kv_backend.ops is None:
+        pytest.skip(f"backend {kv_backend.name} ships no ops")
+    require(kv_backend, "attention_options")
+    specs = [KVLayerSpec.attention(1, 4), KVLayerSpec.sliding_window(1, 4, 3)]
+    if not kv_backend.supports("sliding_window"):
+        specs = specs[:1]
+    p = _pair(kv_backend, kv_oracle, mode, specs=specs, dtype="float32")
+    p.write(0, 3, seed=2)
+    step = p.ok("cache.prepare_step([0, 2, 3], [3, 0], [0, 1])",
+                lambda c, o: c.prepare_step(_i32([0, 2, 3]), _i32([3, 0]), _i32([0, 1])))
+    from kvspec.strategies import exact_values
+
+    sinks = np.array([1.0, -0.5], np.float32)
+    for l in range(len(specs)):
+        kv = exact_values((3, 1, 4), "float32", 60 + l)
+        p.ok(f"ops.append_kv(cache, {l}, k, v, step)",
+             lambda c, o, l=l: o.append_kv(c, l, kv, kv, step[0] if c is p.ref else step[1]))
+        q = exact_values((3, 2, 4), "float32", 70 + l) * 4
+        for softcap, sink in ((0.5, None), (None, sinks), (2.0, sinks)):
+            r = kv_oracle.ops.varlen_attention(q, p.ref, l, step[0], softcap=softcap, sinks=sink)
+            g = to_numpy(kv_backend.ops.varlen_attention(q, p.sut, l, step[1], softcap=softcap, sinks=sink))
+            np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5,
+                                       err_msg=f"varlen_attention layer {l} softcap={softcap} sinks={sink}")
+        for bad, exc in ((dict(softcap=-1.0), ValueError), (dict(softcap=[1.0]), TypeError),
+                         (dict(sinks=np.zeros(3, np.float32)), ValueError),
+                         (dict(sinks=np.zeros(2, np.int64)), TypeError)):
+            with pytest.raises(exc):
+                kv_backend.ops.varlen_attention(q, p.sut, l, step[1], **bad)
+    p.agree()
+
+
 # ---------------------------------------------------------------- FP8 K/V (spec/slot-cache.md §10)
 
 

@@ -171,11 +171,14 @@ class SlotEngine(Protocol):
         """``K[slot, :t] = k`` (cast) and ``K[slot, t:] = 0`` for ``t = len(k)``."""
 
     def attend(self, q: Any, K: Any, V: Any, kind: Any, window: int, step: StepIndices,
-               block_size: int | None, scale: float, kv_scales: tuple | None = None) -> Any:
+               block_size: int | None, scale: float, kv_scales: tuple | None = None,
+               softcap: float = 0.0, sinks: np.ndarray | None = None) -> Any:
         """float32 ``[T, q_heads, head_dim]`` varlen attention of a validated step
         (``spec/slot-cache.md`` §7.3); ``block_size`` None for dense planes. FP8 storage passes
         ``kv_scales=(K scales, V scales, unit_tokens)`` and reads keys and values as
-        :meth:`gather_kv_fp8` returns them (spec/slot-cache.md §10.3)."""
+        :meth:`gather_kv_fp8` returns them (spec/slot-cache.md §10.3). ``softcap`` (0.0: off)
+        caps the scaled scores; ``sinks`` (host float32 ``[q_heads]``, checked) are the heads'
+        sink logits (spec/slot-cache.md §7.3)."""
 
     # ------------------------------------------------------------------ FP8 K/V (spec/slot-cache.md §10)
 
