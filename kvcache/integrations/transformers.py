@@ -943,40 +943,23 @@ class _Request:
 
 
 class _ManagerStep(Cache):
-    """One forward over a manager's ``runtime_inputs``: writes into ``kv_blocks``, attends through ``lookup_table``."""
+    """One forward over a manager's ``runtime_inputs``: ``ops.append_kv_paged`` into ``kv_blocks``,
+    ``ops.paged_attention`` through ``lookup_table`` (spec/manager.md §18), per layer's leaf."""
 
     def __init__(self, gen: "ContinuousBatchingGenerator", inputs, q_lens: np.ndarray):
         super().__init__(layers=[])
-        self._gen = gen
+        self._ops = gen._pkg.ops
         self._varlen = True
         self._pending: Optional[int] = None
         self.windows = gen.windows
-        per_layer = [inputs[leaf] for leaf in gen.layer_leaf] if isinstance(inputs, dict) else [inputs] * len(
+        self._per_layer = [inputs[leaf] for leaf in gen.layer_leaf] if isinstance(inputs, dict) else [inputs] * len(
             gen.windows)
-        ps = gen.page_size
-        first = per_layer[0]
-        past = np.asarray(first.cache_lengths, dtype=np.int64)
-        cu = np.concatenate([[0], np.cumsum(q_lens)])
+        past = np.asarray(self._per_layer[0].cache_lengths, dtype=np.int64)
+        self._offsets = cu = np.concatenate([[0], np.cumsum(q_lens)])       # input_row_offsets
         row_of = np.repeat(np.arange(q_lens.size), q_lens)
         positions = past[row_of] + (np.arange(int(cu[-1])) - cu[row_of])
-        self.positions = positions
         self._q_pos = torch.from_numpy(positions)
-        self._row_of = torch.from_numpy(row_of)
-        self._past, self._q, self._ps = past, q_lens, ps
-        self._per_layer = per_layer
-        self._buf: dict = {}        # id(leaf inputs) -> torch view of kv_blocks
-        self._lut: dict = {}        # id(leaf inputs) -> int64 lookup table
-        self._write: dict = {}      # id(leaf inputs) -> (pages, offsets) of the step's tokens
-        self._read: dict = {}       # (id(leaf inputs), window) -> (pages, offsets, key positions, valid)
-        offs = torch.from_numpy(positions % ps)
-        for inp in per_layer:
-            key = id(inp)
-            if key in self._buf:
-                continue
-            self._buf[key] = _as_torch(inp.kv_blocks)
-            lut = np.asarray(inp.lookup_table, dtype=np.int64)
-            self._lut[key] = lut
-            self._write[key] = (torch.from_numpy(lut[row_of, positions // ps]), offs)
+        self._past = past
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Processed length of the first row."""
@@ -987,64 +970,23 @@ class _ManagerStep(Cache):
         return query_length, 0
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        """Write the step's K/V of layer ``layer_idx`` into its pages; return the inputs."""
+        """Write the step's K/V of layer ``layer_idx`` (``[1, kv_heads, T, head_dim]``) into its pages;
+        return the inputs."""
         inp = self._per_layer[layer_idx]
-        kv = self._buf[id(inp)]
-        pages, offs = self._write[id(inp)]
-        kv[pages, 0, layer_idx, offs] = key_states[0].transpose(0, 1).to(kv.dtype)    # [T, kv_heads, head_dim]
-        kv[pages, 1, layer_idx, offs] = value_states[0].transpose(0, 1).to(kv.dtype)
+        self._ops.append_kv_paged(inp.kv_blocks, layer_idx, key_states, value_states, inp, self._offsets,
+                                  layout="bhsd")
         self._pending = layer_idx
         _ACTIVE.set(self)
         return key_states, value_states
 
-    def _read_plan(self, inp, window: Optional[int]):
-        key = (id(inp), window)
-        plan = self._read.get(key)
-        if plan is None:
-            ps, lut = self._ps, self._lut[id(inp)]
-            n = self._past + self._q
-            start = np.zeros_like(n) if window is None else np.maximum(self._past - window + 1, 0)
-            L = int((n - start).max())
-            kpos = start[:, None] + np.arange(L)[None, :]                 # [B, L] key positions per row
-            valid = kpos < n[:, None]
-            kpos_c = np.where(valid, kpos, 0)
-            pages = np.take_along_axis(lut, kpos_c // ps, axis=1)
-            pages = np.where(valid, pages, 0)
-            kp = torch.from_numpy(kpos)
-            qpos = self._q_pos[:, None]
-            allowed = torch.from_numpy(valid)[self._row_of] & (kp[self._row_of] <= qpos)
-            if window is not None:
-                allowed &= kp[self._row_of] > qpos - window
-            plan = (torch.from_numpy(pages), torch.from_numpy(kpos_c % ps), allowed)
-            self._read[key] = plan
-        return plan
-
     def _attend(self, layer: int, query: torch.Tensor, scaling: Optional[float], softcap: Optional[float] = None,
                 sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Causal GQA attention of the packed queries through the step's pages, float32 math:
-        ``softcap`` and ``sinks`` as ``ops.paged_attention`` applies them (spec/slot-cache.md §7.3)."""
+        """``ops.paged_attention`` of the packed queries through the layer's pages (its leaf's window,
+        ``softcap``, ``sinks``): ``[1, T, q_heads, head_dim]`` in the query's dtype."""
         inp = self._per_layer[layer]
-        kv = self._buf[id(inp)]
-        pages, offs, allowed = self._read_plan(inp, self.windows[layer])
-        _, Hq, T, D = query.shape
-        k = kv[pages, 0, layer, offs].float()                         # [B, L, Hkv, D]
-        v = kv[pages, 1, layer, offs].float()
-        group = Hq // k.shape[2]
-        k = k.repeat_interleave(group, dim=2)[self._row_of]           # [T, L, Hq, D]
-        v = v.repeat_interleave(group, dim=2)[self._row_of]
-        q = query[0].transpose(0, 1).float()                          # [T, Hq, D]
-        scale = scaling if scaling is not None else D ** -0.5
-        s = torch.einsum("thd,tlhd->thl", q, k) * scale
-        if softcap is not None:
-            s = torch.tanh(s / softcap) * softcap
-        s = s.masked_fill(~allowed[:, None, :], float("-inf"))
-        if sinks is None:
-            p = torch.softmax(s, dim=-1)
-        else:   # one value-less logit per head in every denominator
-            sink = sinks.detach().float().reshape(1, Hq, 1).expand(T, Hq, 1)
-            p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
-        out = torch.einsum("thl,tlhd->thd", p, v)
-        return out.to(query.dtype)[None]
+        out = self._ops.paged_attention(query, inp.kv_blocks, layer, inp, self._offsets, window=self.windows[layer],
+                                        scale=scaling, layout="bhsd", softcap=softcap, sinks=sinks)
+        return out.transpose(1, 2).to(query.dtype)     # [1, q_heads, T, D] of a [1, T, q_heads, D] buffer
 
 
 class _Probed(Exception):
