@@ -131,3 +131,47 @@ def test_bad_softcap_and_sinks_raise_and_change_nothing(pkg):
     after = [np.asarray(cache.keys(0)).tobytes(), np.asarray(cache.values(0)).tobytes(), cache.seq_lens().tobytes()]
     assert after == before
     cache.check_invariants()
+
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+
+@given(kv_heads=st.integers(1, 2), group=st.integers(1, 3), dim=st.sampled_from([1, 4, 8]),
+       window=st.one_of(st.none(), st.integers(1, 6)), softcap=st.one_of(st.none(), st.floats(0.05, 20.0)),
+       sink_scale=st.one_of(st.none(), st.floats(-30.0, 30.0)), lengths=st.lists(st.tuples(st.integers(1, 9),
+                                                                                          st.integers(1, 4)),
+                                                                                min_size=1, max_size=3),
+       paged=st.booleans(), seed=st.integers(0, 2**16))
+def test_options_equal_the_formula_on_random_steps(kv_heads, group, dim, window, softcap, sink_scale, lengths, paged,
+                                                   seed):
+    """Any heads, group, head size, window, cap and sink magnitude (sinks far above and below the
+    scores included): both packages equal the float64 formula, row by row."""
+    rng = np.random.default_rng(seed)
+    hq = kv_heads * group
+    spec = KVLayerSpec.attention(kv_heads, dim) if window is None else KVLayerSpec.sliding_window(kv_heads, dim,
+                                                                                                   window)
+    sinks = None if sink_scale is None else (rng.standard_normal(hq) * sink_scale).astype(np.float32)
+    mode = KVCacheMode.PAGED if paged else KVCacheMode.CONTIGUOUS
+    for pkg in PACKAGES:
+        cache = pkg.KVCache.make(KVCacheConfig(1, 3, 16, mode, block_size=4, dtype="float32"), [spec])
+        rows = [(s, n1, n2) for s, (n1, n2) in enumerate(lengths)]
+        hist = {}
+        for i in (1, 2):
+            cu = np.concatenate([[0], np.cumsum([r[i] for r in rows])])
+            step = cache.prepare_step(cu, [int(cache.seq_lens()[s]) for s, *_ in rows], [s for s, *_ in rows])
+            k = np.random.default_rng(seed + i).standard_normal((int(cu[-1]), kv_heads, dim)).astype(np.float32)
+            v = np.random.default_rng(seed + 10 + i).standard_normal((int(cu[-1]), kv_heads, dim)).astype(np.float32)
+            pkg.ops.append_kv(cache, 0, k, v, step)
+            for b, (s, *_) in enumerate(rows):
+                hist.setdefault(s, []).append((k[cu[b]:cu[b + 1]], v[cu[b]:cu[b + 1]]))
+            if i == 1:
+                for s, n1, _ in rows:
+                    cache.update_position(s, n1)
+        q = (rng.standard_normal((step.num_tokens, hq, dim)) * 2).astype(np.float32)
+        got = pkg.ops.varlen_attention(q, cache, 0, step, softcap=softcap, sinks=sinks)
+        for b, (s, n1, _) in enumerate(rows):
+            k = np.concatenate([x for x, _ in hist[s]])
+            v = np.concatenate([y for _, y in hist[s]])
+            want, _ = dense_attention(q[cu[b]:cu[b + 1]], k, v, n1, window, softcap=softcap, sinks=sinks)
+            np.testing.assert_allclose(got[cu[b]:cu[b + 1]], want, rtol=2e-5, atol=5e-6,
+                                       err_msg=f"{pkg.__name__} row {b}")

@@ -168,3 +168,21 @@ def test_cuda_fp8_slot_cache_stores_the_reference_bytes_and_attends_exactly():  
     from test_slot_fp8 import test_emulated_cuda_stores_the_reference_bytes_and_attends_exactly as body
 
     body(cp)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_cuda_softcap_and_sinks_match_the_oracle(dtype):  # pragma: no cover - needs a GPU
+    """spec/slot-cache.md §7.3 on the real device: ``paged_attention.cu`` and the CuPy slot engine
+    with soft-capped scores and sink logits (the emulated run's bodies)."""
+    import kvfast
+    import kvref
+    from kvspec import KVCacheMode
+    from test_attention_softcap_sinks_kvfast import CASES, Engine, _run_paged, _run_slots
+
+    engines = [Engine("kvref", kvref.ops), Engine("kvfast-cuda", kvfast.ops, cp)]
+    for case in CASES:
+        softcap, with_sinks = case.values
+        _run_paged(engines, dtype, softcap=softcap, with_sinks=with_sinks)
+        _run_paged(engines, dtype, window=3, softcap=softcap, with_sinks=with_sinks)
+        for mode in (KVCacheMode.PAGED, KVCacheMode.CONTIGUOUS):
+            _run_slots(cp, dtype, mode, softcap=softcap, with_sinks=with_sinks)
