@@ -16,8 +16,10 @@ chosen once at ``make`` from ``config.device``:
   storage as uint8 bit patterns), attention from CuPy array operations.
 
 Both subclass the public ``kvref.ReferenceSlotEngine`` only to inherit the
-float32 attention algorithm on the CPU (the oracle's, so results are equal by
-construction); every other mechanism is overridden here.
+FP8 caches' dequantised float32 attention on the CPU (the oracle's, so results
+are equal bit for bit, spec/slot-cache.md §10.3); every other mechanism is
+overridden here, attention over float16 / bfloat16 / float32 storage included
+(:mod:`kvfast._numba.attend`: the same float32 formula, sums in another order).
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ def _fp8():
     from ._numba import fp8
 
     return fp8
+
+
+_NO_TABLE = np.zeros(1, np.float32)                 # float32 storage: no value table
+_NO_BLOCK_TABLE = np.zeros((1, 1), np.int32)        # a dense plane: no block table
+_NO_SINKS = np.zeros(1, np.float32)                 # no sink logits (not read)
 
 
 def require_cuda(api: str, device_id: int):
@@ -289,6 +296,32 @@ class FastSlotEngine(ReferenceSlotEngine):
             c.gather_rows(words, 0, block_row, n, bs, block_stride, row_stride, out.reshape(n, -1).view(word))
         return out_k, out_v
 
+    def attend(self, q, K, V, kind, window: int, step: StepIndices, block_size, scale: float, kv_scales=None,
+               softcap: float = 0.0, sinks=None):
+        """``spec/slot-cache.md`` §7.3 in one Numba call (:func:`kvfast._numba.attend.attend_slots`):
+        keys and values read in place (float32, or float16 / bfloat16 words through their value
+        table), no gather. FP8 storage takes the reference's dequantised path (spec/slot-cache.md §10.3)."""
+        if kv_scales is not None:  # FP8: read as gather_kv_fp8 reads it, bit for bit (spec/slot-cache.md §10.3)
+            return super().attend(q, K, V, kind, window, step, block_size, scale, kv_scales, softcap, sinks)
+        from ._numba.attend import ATTENTION, CROSS, SLIDING, attend_slots
+        from ._numba.paged import decode_table
+
+        H, D = K.shape[2], K.shape[3]
+        if K.dtype == np.float32:
+            Kf, Vf, table = K.reshape(-1, H, D), V.reshape(-1, H, D), _NO_TABLE
+        else:  # float16 / bfloat16: their bits, read through the exact value table
+            Kf, Vf = K.reshape(-1, H, D).view(np.uint16), V.reshape(-1, H, D).view(np.uint16)
+            table = decode_table(dtype_name(K.dtype))
+        q = np.ascontiguousarray(q, dtype=np.float32)
+        out = np.empty(q.shape, np.float32)
+        cross = kind is LayerKind.CROSS_ATTENTION
+        code = CROSS if cross else SLIDING if kind is LayerKind.SLIDING_WINDOW else ATTENTION
+        paged = block_size is not None and not cross  # a cross layer's plane is dense in both modes
+        attend_slots(Kf, Vf, table, q, step.cu_seqlens_q, step.past_len,
+                     step.cross_seqused_k if cross else step.seqused_k, step.slot_ids,
+                     step.block_table if paged else _NO_BLOCK_TABLE, block_size if paged else 0, K.shape[1], code,
+                     window, scale, softcap, _NO_SINKS if sinks is None else sinks, sinks is not None, out)
+        return out
 
     # ------------------------------------------------------------------ FP8 K/V (spec/slot-cache.md §10)
 

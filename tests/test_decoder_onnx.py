@@ -135,8 +135,10 @@ def test_kvref_and_kvfast_make_the_same_decisions(variant):
     _, b, _, _ = run_variant(variant, kvfast)
     assert a.stats == b.stats
     assert a.tokens == b.tokens
+    # kvfast's attention sums in another order (spec/slot-cache.md §7.3), and the difference goes through
+    # the model's layers: the logits differ by at most 1.2e-5 (measured), each side 1e-4 from ONNX Runtime
     for rid in a.logits:
-        np.testing.assert_allclose(a.logits[rid], b.logits[rid], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(a.logits[rid], b.logits[rid], rtol=1e-5, atol=5e-5)
 
 
 def test_bfloat16_storage_against_float32_onnx_runtime():

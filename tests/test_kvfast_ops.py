@@ -144,8 +144,9 @@ def test_ops_match_reference(mode, dtype):
                         + [ops.varlen_attention(q[:, :2], c, 2, st_)])
             for b, s in enumerate(slots):
                 c.update_position(s, past[b] + cu[b + 1] - cu[b])
-        for a, b in zip(*outs):
-            assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+        for a, b in zip(*outs):  # the same float32 formula, sums in another order (spec/slot-cache.md §7.3)
+            assert a.dtype == b.dtype and a.shape == b.shape
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
         for layer in range(3):
             assert r.keys(layer).tobytes() == f.keys(layer).tobytes()
             assert r.values(layer).tobytes() == f.values(layer).tobytes()
