@@ -169,6 +169,9 @@ class FastSlotEngine(ReferenceSlotEngine):
         self._empty_table = np.zeros((1, 1), np.int32)
         #: (id(K), id(V)) -> (K, V, K words, V words, word, rows, block_size, block_stride, row_stride)
         self._pairs: dict[tuple[int, int], tuple] = {}
+        #: (id(K), id(V)) -> (K, V, flat K [rows, heads, dim], flat V, value table) of ``attend`` (float32
+        #: storage as is, 16-bit storage as its words)
+        self._attend_views: dict[tuple[int, int], tuple] = {}
         #: FP8 dtype name -> the float32 value of every bit pattern, on this engine's device (made on first use)
         self._fp8_tables: dict[str, object] = {}
         #: the Numba step and copy kernels, bound once (compiled or loaded from the on-disk cache on first use)
@@ -306,13 +309,18 @@ class FastSlotEngine(ReferenceSlotEngine):
         from ._numba.attend import ATTENTION, CROSS, SLIDING, attend_slots
         from ._numba.paged import decode_table
 
-        H, D = K.shape[2], K.shape[3]
-        if K.dtype == np.float32:
-            Kf, Vf, table = K.reshape(-1, H, D), V.reshape(-1, H, D), _NO_TABLE
-        else:  # float16 / bfloat16: their bits, read through the exact value table
-            Kf, Vf = K.reshape(-1, H, D).view(np.uint16), V.reshape(-1, H, D).view(np.uint16)
-            table = decode_table(dtype_name(K.dtype))
-        q = np.ascontiguousarray(q, dtype=np.float32)
+        got = self._attend_views.get((id(K), id(V)))
+        if got is None or got[0] is not K or got[1] is not V:  # once per layer: storage keeps its identity
+            H, D = K.shape[2], K.shape[3]
+            if K.dtype == np.float32:
+                got = (K, V, K.reshape(-1, H, D), V.reshape(-1, H, D), _NO_TABLE)
+            else:  # float16 / bfloat16: their bits, read through the exact value table
+                got = (K, V, K.reshape(-1, H, D).view(np.uint16), V.reshape(-1, H, D).view(np.uint16),
+                       decode_table(dtype_name(K.dtype)))
+            self._attend_views[(id(K), id(V))] = got
+        _, _, Kf, Vf, table = got
+        if not (q.dtype == np.float32 and q.flags.c_contiguous):
+            q = np.ascontiguousarray(q, dtype=np.float32)
         out = np.empty(q.shape, np.float32)
         cross = kind is LayerKind.CROSS_ATTENTION
         code = CROSS if cross else SLIDING if kind is LayerKind.SLIDING_WINDOW else ATTENTION

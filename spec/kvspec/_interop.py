@@ -23,6 +23,10 @@ import struct
 
 import numpy as np
 
+from ._dtypes import FP8_DTYPES
+
+_FP8 = frozenset(FP8_DTYPES.values())
+
 __all__ = ["host_array", "int64_from_ints", "is_torch", "is_torch_bfloat16", "to_torch", "widen_fp8",
            "torch_dtype_name"]
 
@@ -82,8 +86,7 @@ def widen_fp8(x):
     Every float8_e4m3fn and float8_e5m2 value is a float32 value, so the widening rounds
     nothing; it is a copy (the only one an FP8 input costs).
     """
-    name = getattr(getattr(x, "dtype", None), "name", "")
-    if name in ("float8_e4m3fn", "float8_e5m2"):
+    if getattr(x, "dtype", None) in _FP8:  # (a set of dtypes: no dtype.name, which NumPy builds per call)
         return x.astype(np.float32)
     return x
 
