@@ -58,7 +58,7 @@ __all__ = ["run_bench", "print_table", "main", "peer_workload", "replay_manager"
            "transformers_decode", "tiny_llama"]
 
 #: The sections of the table, in order (``--only`` picks some).
-SECTIONS = ("append", "prepare", "replay", "configs", "retention", "batch", "transformers")
+SECTIONS = ("append", "prepare", "attention", "replay", "configs", "retention", "batch", "transformers")
 
 # Peer workload constants (WORKLOAD.md §1).
 SEED = 20260601
@@ -170,6 +170,60 @@ def _prepare_case(rows: int, repeat: int, number: int, as_lists: bool = False) -
         "ratio": t_ref / t_fast,
         "target": 20.0 if as_lists else 30.0,
         "detail": f"kvref {t_ref * 1e6:.1f} us, kvfast {t_fast * 1e6:.1f} us",
+    }
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def attention_inputs(pkg, rows: int, q: int, *, past: int = 256, kv_heads: int = 2, q_heads: int = 8,
+                     head_dim: int = 64, dtype: str = "float16"):
+    """A paged slot cache of ``pkg`` whose ``rows`` slots hold ``past`` tokens of random K/V, and
+    the next step of ``q`` tokens per row with its K/V appended: ``(cache, step, queries)``
+    (float32 ``[rows * q, q_heads, head_dim]``). The same draws for every package."""
+    from kvspec import KVCacheConfig, KVCacheMode, KVLayerSpec
+
+    cfg = KVCacheConfig(num_layers=1, max_seqs=rows, max_seq_len=past + q, mode=KVCacheMode.PAGED, block_size=16,
+                        dtype=dtype)
+    cache = pkg.KVCache.make(cfg, [KVLayerSpec.attention(kv_heads, head_dim)])
+    rng = np.random.default_rng(3)
+    slots = np.arange(rows, dtype=np.int32)
+    step = None
+    for n, start in ((past, 0), (q, past)):
+        step = cache.prepare_step(np.arange(rows + 1) * n, np.full(rows, start), slots)
+        k, v = (rng.standard_normal((rows * n, kv_heads, head_dim)).astype(np.float32) for _ in range(2))
+        pkg.ops.append_kv(cache, 0, k, v, step)
+        if start == 0:
+            for s in range(rows):
+                cache.update_position(s, past)
+    queries = rng.standard_normal((rows * q, q_heads, head_dim)).astype(np.float32)
+    return cache, step, queries
+
+
+def _attention_case(rows: int, q: int, repeat: int, number: int) -> dict:
+    """``ops.varlen_attention`` of one step through a float16 paged cache, kvfast (the Numba kernel,
+    keys read in place) against kvref (gather and einsum), interleaved; outputs compared first."""
+    import kvfast
+    import kvref
+
+    (rc, rs, qs), (fc, fs, _) = (attention_inputs(p, rows, q) for p in (kvref, kvfast))
+    want = kvref.ops.varlen_attention(qs, rc, 0, rs)
+    got = kvfast.ops.varlen_attention(qs, fc, 0, fs)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    t_ref, t_fast = _interleaved(lambda: kvref.ops.varlen_attention(qs, rc, 0, rs),
+                                 lambda: kvfast.ops.varlen_attention(qs, fc, 0, fs), repeat, number)
+    # the floor of reading the rows' history once: a plain copy of the same K/V bytes
+    hist = np.concatenate([kvfast.ops.gather_kv(fc, 0, s)[i].reshape(-1) for s in range(rows) for i in (0, 1)])
+    dst = np.empty_like(hist)
+    t_copy = _best(lambda: np.copyto(dst, hist), repeat, max(number, 10))
+    return {
+        "name": f"varlen_attention {'decode' if q == 1 else 'prefill'} ({rows} rows x {q} tok, 256 past, "
+                "8/2 heads x 64, fp16)",
+        "metric": "kvref time / kvfast time",
+        "ratio": t_ref / t_fast,
+        "target": 10.0,
+        "detail": (f"kvref {t_ref * 1e6:.1f} us, kvfast {t_fast * 1e6:.1f} us (outputs within rtol 1e-5); a copy "
+                   f"of the {hist.nbytes / 2**20:.1f} MiB of history K/V {t_copy * 1e6:.1f} us"),
     }
 
 
@@ -788,8 +842,9 @@ def run_bench(*, quick: bool = False, replay_requests: int = 128, only: Sequence
         Requests of the peer workload replayed through both managers
         (kvref needs ~50 ms per request; 0 means all 2000).
     only : sequence of str, optional
-        Subset of ``{"append", "prepare", "replay", "configs", "retention", "batch", "transformers"}``
-        (``retention``: kvfast with and without retention claims, interleaved; ``configs``: one
+        Subset of ``{"append", "prepare", "attention", "replay", "configs", "retention", "batch",
+        "transformers"}`` (``attention``: ``ops.varlen_attention`` of a decode and a prefill step,
+        kvfast against kvref; ``retention``: kvfast with and without retention claims, interleaved; ``configs``: one
         manager row per configuration of :data:`MANAGER_CONFIGS`, the scheduler loop of issue 12;
         ``batch``: a decode step of 256 requests through the batch calls, spec/manager.md §17,
         per configuration of :data:`BATCH_CONFIGS`, against kvref's and the per-request loop;
@@ -811,6 +866,9 @@ def run_bench(*, quick: bool = False, replay_requests: int = 128, only: Sequence
     if "prepare" in only:
         rows.append(_prepare_case(256, rep, 5 if quick else 50))
         rows.append(_prepare_case(256, rep, 5 if quick else 50, as_lists=True))
+    if "attention" in only:
+        rows.append(_attention_case(16, 1, rep, 5 if quick else 50))
+        rows.append(_attention_case(2, 64, 3 if quick else rep, 1 if quick else 5))
     if "replay" in only:
         rows.append(_replay_case(min(replay_requests, 64) if quick else replay_requests, 1 if quick else 3))
     if "configs" in only:
@@ -842,7 +900,7 @@ def print_table(rows: list[dict], file=None) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``kvcache bench [--quick] [--replay-requests N]
-    [--only append,prepare,replay,configs,retention,batch,transformers] [--json PATH]``."""
+    [--only append,prepare,attention,replay,configs,retention,batch,transformers] [--json PATH]``."""
     ap = argparse.ArgumentParser(prog="kvcache bench", description="kvfast vs kvref / numpy ratio table, one run")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
     ap.add_argument("--replay-requests", type=int, default=128,

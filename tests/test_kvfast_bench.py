@@ -28,6 +28,14 @@ def test_replay_agrees_between_packages():
     assert a["hit_tokens"] > 0 and b["free_at_end"] == bench.POOL_BLOCKS
 
 
+def test_attention_rows():
+    """``kvcache bench --only attention``: kvfast's and kvref's outputs agree (checked inside) and
+    both rows are measured."""
+    rows = bench.run_bench(quick=True, only=["attention"])
+    assert [r["name"].split(" (")[0] for r in rows] == ["varlen_attention decode", "varlen_attention prefill"]
+    assert all(r["ratio"] > 0 and "copy of the" in r["detail"] for r in rows)
+
+
 def test_run_bench_rows_and_table(capsys):
     rows = bench.run_bench(quick=True, only=["prepare"])
     assert [r["name"] for r in rows] == ["prepare_step decode (256 rows, paged, numpy)",

@@ -29,6 +29,15 @@ __all__ = ["ATTENTION", "SLIDING", "CROSS", "attend_slots"]
 ATTENTION, SLIDING, CROSS = 0, 1, 2
 
 
+@njit(cache=True, fastmath={"reassoc", "contract"})
+def _dot(q, t, h, Kb, key, D):
+    """``sum_d q[t, h, d] * Kb[key, d]`` in float32 (reassociated: the loop vectorises)."""
+    s = np.float32(0.0)
+    for d in range(D):
+        s += q[t, h, d] * Kb[key, d]
+    return s
+
+
 @njit(cache=True, nogil=True)
 def attend_slots(K, V, table, q, cu, past, used, slots, block_table, block_size, plane_rows, kind, window, scale,
                  softcap, sinks, has_sinks, out):
@@ -41,6 +50,10 @@ def attend_slots(K, V, table, q, cu, past, used, slots, block_table, block_size,
     ``block_size > 0``, else row ``slot * plane_rows + p``; ``window`` read for ``SLIDING``;
     ``sinks`` ``[q_heads]`` read when ``has_sinks``. Every query sees at least one key (its own,
     or the encoder's, which ``ops.varlen_attention`` checks).
+
+    Per row and K/V head, the keys and values any of the row's queries sees are read once into
+    float32 scratch (the head's query heads and the row's tokens share them), then each query
+    head takes its scores, its softmax and its weighted values from the scratch.
     """
     Hk, D = K.shape[1], K.shape[2]
     Hq = q.shape[1]
@@ -53,50 +66,56 @@ def attend_slots(K, V, table, q, cu, past, used, slots, block_table, block_size,
     for b in range(B):
         if used[b] > longest:
             longest = used[b]
+    Kb = np.empty((longest, D), np.float32)
+    Vb = np.empty((longest, D), np.float32)
+    rows = np.empty(longest, np.int64)
     scores = np.empty(longest, np.float32)
     acc = np.empty(D, np.float32)
     for b in range(B):
+        n = np.int64(used[b])
+        lo = 0  # the first key any query of the row sees
+        if kind == SLIDING and past[b] - window + 1 > 0:
+            lo = np.int64(past[b]) - window + 1
         base = np.int64(slots[b]) * plane_rows
-        for t in range(cu[b], cu[b + 1]):
-            if kind == CROSS:
-                k0, k1 = 0, np.int64(used[b])
+        for key in range(lo, n):
+            if block_size > 0:
+                rows[key] = np.int64(block_table[b, key // block_size]) * block_size + key % block_size
             else:
-                p = np.int64(past[b]) + t - cu[b]
-                k0, k1 = 0, p + 1
-                if kind == SLIDING and p - window + 1 > 0:
-                    k0 = p - window + 1
-            for h in range(Hq):
-                kh = h // group
-                m = np.float32(0.0)
-                for key in range(k0, k1):
-                    if block_size > 0:
-                        row = np.int64(block_table[b, key // block_size]) * block_size + key % block_size
-                    else:
-                        row = base + key
-                    s = np.float32(0.0)
-                    for d in range(D):
-                        s += q[t, h, d] * value_of(K, table, K[row, kh, d])
-                    s *= sc
-                    if capped:
-                        s = cap * np.tanh(s / cap)
-                    scores[key - k0] = s
-                    if key == k0 or s > m:
-                        m = s
-                if has_sinks and sinks[h] > m:
-                    m = sinks[h]
+                rows[key] = base + key
+        for kh in range(Hk):
+            for key in range(lo, n):
+                r = rows[key]
                 for d in range(D):
-                    acc[d] = np.float32(0.0)
-                total = np.float32(0.0)
-                for key in range(k0, k1):
-                    if block_size > 0:
-                        row = np.int64(block_table[b, key // block_size]) * block_size + key % block_size
-                    else:
-                        row = base + key
-                    w = np.exp(scores[key - k0] - m)
-                    total += w
+                    Kb[key, d] = value_of(K, table, K[r, kh, d])
+                    Vb[key, d] = value_of(V, table, V[r, kh, d])
+            for t in range(cu[b], cu[b + 1]):
+                if kind == CROSS:
+                    k0, k1 = 0, n
+                else:
+                    p = np.int64(past[b]) + t - cu[b]
+                    k0, k1 = 0, p + 1
+                    if kind == SLIDING and p - window + 1 > 0:
+                        k0 = p - window + 1
+                for h in range(kh * group, (kh + 1) * group):
+                    m = np.float32(0.0)
+                    for key in range(k0, k1):
+                        s = _dot(q, t, h, Kb, key, D) * sc
+                        if capped:
+                            s = cap * np.tanh(s / cap)
+                        scores[key] = s
+                        if key == k0 or s > m:
+                            m = s
+                    if has_sinks and sinks[h] > m:
+                        m = sinks[h]
                     for d in range(D):
-                        acc[d] += w * value_of(V, table, V[row, kh, d])
-                if has_sinks:
-                    total += np.exp(sinks[h] - m)
-                for d in range(D):
-                    out[t, h, d] = acc[d] / total
+                        acc[d] = np.float32(0.0)
+                    total = np.float32(0.0)
+                    for key in range(k0, k1):
+                        w = np.exp(scores[key] - m)
+                        total += w
+                        for d in range(D):
+                            acc[d] += w * Vb[key, d]
+                    if has_sinks:
+                        total += np.exp(sinks[h] - m)
+                    for d in range(D):
+                        out[t, h, d] = acc[d] / total
