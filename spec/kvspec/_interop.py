@@ -23,9 +23,10 @@ import struct
 
 import numpy as np
 
-from ._dtypes import FP8_DTYPES
+from ._dtypes import FP8_DTYPES, KV_DTYPES, dtype_name
 
 _FP8 = frozenset(FP8_DTYPES.values())
+_BF16 = KV_DTYPES["bfloat16"]
 
 __all__ = ["host_array", "int64_from_ints", "is_torch", "is_torch_bfloat16", "to_torch", "widen_fp8",
            "torch_dtype_name"]
@@ -113,12 +114,12 @@ def to_torch(x, logical: str | None = None, device=None):
     """
     import torch
 
-    name = getattr(x.dtype, "name", str(x.dtype))
     if isinstance(x, np.ndarray):
-        if name == "bfloat16":
+        dt = x.dtype  # (compared as dtypes: dtype.name is built anew at each read)
+        if dt == _BF16:
             t = torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
-        elif name in ("float8_e4m3fn", "float8_e5m2"):
-            t = torch.from_numpy(x.view(np.uint8)).view(getattr(torch, name))
+        elif dt in _FP8:
+            t = torch.from_numpy(x.view(np.uint8)).view(getattr(torch, dtype_name(dt)))
         else:
             t = torch.from_numpy(x)
     else:
@@ -127,7 +128,7 @@ def to_torch(x, logical: str | None = None, device=None):
         t = t.view(torch.bfloat16)
     elif logical in ("float8_e4m3fn", "float8_e5m2") and t.dtype in (torch.uint8, torch.int8):
         t = t.view(getattr(torch, logical))
-    if device is not None and t.device != torch.device(device):
+    if device is not None and t.device != (device if isinstance(device, torch.device) else torch.device(device)):
         t = t.to(device)
     return t
 
@@ -154,16 +155,21 @@ def host_array(x) -> np.ndarray:
     if isinstance(x, np.ndarray):
         return x
     if type(x).__module__.startswith("torch") and hasattr(x, "detach"):
+        import torch
+
         t = x.detach()
-        fp8 = _TORCH_FP8.get(str(t.dtype))
-        if is_torch_bfloat16(t) or fp8:
+        dt = t.dtype
+        fp8 = _TORCH_FP8.get(str(dt)) if dt.is_floating_point and dt.itemsize == 1 else None
+        if dt is torch.bfloat16 or fp8:
             import ml_dtypes
-            import torch
 
             if t.device.type != "cpu":
                 raise TypeError(f"host_array: a {t.device.type} tensor is not host memory; use its device's cache")
             if fp8:
                 return np.from_dlpack(t.view(torch.uint8)).view(getattr(ml_dtypes, fp8))
             return np.from_dlpack(t.view(torch.int16)).view(ml_dtypes.bfloat16)
+        if t.device.type == "cpu":
+            return t.numpy()  # its memory (what numpy.asarray reaches through __array__, without the detour)
         x = t
     return np.asarray(x)
+
