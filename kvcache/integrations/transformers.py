@@ -675,11 +675,8 @@ class SlotKVCache(Cache):
             # The attention widens q to float32 either way: widened here (exact, float16 / bfloat16 ->
             # float32), it goes in and comes out as NumPy, without two torch <-> NumPy conversions.
             q = (q if q.dtype is torch.float32 else q.float()).numpy()
-        if softcap is None and sinks is None:
-            out = self._pkg.ops.varlen_attention(q, self._kv, layer, self._step, scale=scaling)
-        else:
-            out = self._pkg.ops.varlen_attention(q, self._kv, layer, self._step, scale=scaling, softcap=softcap,
-                                                 sinks=sinks)
+        out = self._pkg.ops.varlen_attention(q, self._kv, layer, self._step, scale=scaling, softcap=softcap,
+                                             sinks=sinks)
         out = out if isinstance(out, torch.Tensor) else torch.from_numpy(np.asarray(out))
         return out.to(query.dtype).view(B, S, Hq, D)
 
