@@ -200,6 +200,38 @@ def attention_inputs(pkg, rows: int, q: int, *, past: int = 256, kv_heads: int =
     return cache, step, queries
 
 
+def paged_attention_inputs(pkg, rows: int, q: int, *, past: int = 256, kv_heads: int = 2, q_heads: int = 8,
+                           head_dim: int = 64, dtype: str = "float16"):
+    """A ``pkg`` manager whose ``rows`` requests hold ``past`` tokens of random K/V in its pages, then
+    the inputs of their next forward of ``q`` tokens each with its K/V appended: ``(kv_blocks,
+    inputs, input_row_offsets, queries)`` for ``ops.paged_attention`` (float32 queries
+    ``[rows * q, q_heads, head_dim]``). The same draws for every package."""
+    from kvspec import KVCacheParams, TextContext
+
+    params = KVCacheParams(page_size=16, num_layers=1, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    per_row = -(-(past + q) // 16)
+    m = pkg.PagedKVCacheManager(params, num_blocks=rows * per_row + 1, max_batch_size=rows,
+                                max_seq_len=per_row * 16)
+    rng = np.random.default_rng(4)
+    ctxs = [TextContext(str(i), rng.integers(0, 1000, past + q).astype(np.int32)) for i in range(rows)]
+    for c in ctxs:
+        m.claim(c)
+        c.chunk(past)  # the history: a first chunk of the prompt; the step: its last q tokens
+    for n in (past, q):
+        for c in ctxs:
+            m.alloc(c)
+        inp = m.runtime_inputs([ctxs]).inputs[0]
+        offsets = np.arange(rows + 1, dtype=np.int64) * n
+        k, v = (rng.standard_normal((rows * n, kv_heads, head_dim)).astype(np.float32) for _ in range(2))
+        pkg.ops.append_kv_paged(inp.kv_blocks, 0, k, v, inp, offsets)
+        if n == past:
+            for c in ctxs:
+                m.step(c)
+                c.advance_chunk()
+    queries = rng.standard_normal((rows * q, q_heads, head_dim)).astype(np.float32)
+    return inp.kv_blocks, inp, offsets, queries
+
+
 def _attention_case(rows: int, q: int, repeat: int, number: int) -> dict:
     """``ops.varlen_attention`` of one step through a float16 paged cache, kvfast (the Numba kernel,
     keys read in place) against kvref (gather and einsum), interleaved; outputs compared first."""
@@ -224,6 +256,28 @@ def _attention_case(rows: int, q: int, repeat: int, number: int) -> dict:
         "target": 10.0,
         "detail": (f"kvref {t_ref * 1e6:.1f} us, kvfast {t_fast * 1e6:.1f} us (outputs within rtol 1e-5); a copy "
                    f"of the {hist.nbytes / 2**20:.1f} MiB of history K/V {t_copy * 1e6:.1f} us"),
+    }
+
+
+def _paged_attention_case(rows: int, q: int, repeat: int, number: int) -> dict:
+    """``ops.paged_attention`` of one forward through a manager's float16 pages, kvfast (the
+    Numba kernel) against kvref, interleaved; outputs compared first."""
+    import kvfast
+    import kvref
+
+    (rb, ri, ro, qs), (fb, fi, fo, _) = (paged_attention_inputs(p, rows, q) for p in (kvref, kvfast))
+    want = kvref.ops.paged_attention(qs, rb, 0, ri, ro)
+    got = kvfast.ops.paged_attention(qs, fb, 0, fi, fo)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    t_ref, t_fast = _interleaved(lambda: kvref.ops.paged_attention(qs, rb, 0, ri, ro),
+                                 lambda: kvfast.ops.paged_attention(qs, fb, 0, fi, fo), repeat, number)
+    return {
+        "name": f"paged_attention {'decode' if q == 1 else 'prefill'} ({rows} rows x {q} tok, 256 past, "
+                "8/2 heads x 64, fp16 pages)",
+        "metric": "kvref time / kvfast time",
+        "ratio": t_ref / t_fast,
+        "target": 10.0,
+        "detail": f"kvref {t_ref * 1e6:.1f} us, kvfast {t_fast * 1e6:.1f} us (outputs within rtol 1e-5)",
     }
 
 
@@ -843,8 +897,8 @@ def run_bench(*, quick: bool = False, replay_requests: int = 128, only: Sequence
         (kvref needs ~50 ms per request; 0 means all 2000).
     only : sequence of str, optional
         Subset of ``{"append", "prepare", "attention", "replay", "configs", "retention", "batch",
-        "transformers"}`` (``attention``: ``ops.varlen_attention`` of a decode and a prefill step,
-        kvfast against kvref; ``retention``: kvfast with and without retention claims, interleaved; ``configs``: one
+        "transformers"}`` (``attention``: ``ops.varlen_attention`` and ``ops.paged_attention`` of a
+        decode and a prefill step, kvfast against kvref; ``retention``: kvfast with and without retention claims, interleaved; ``configs``: one
         manager row per configuration of :data:`MANAGER_CONFIGS`, the scheduler loop of issue 12;
         ``batch``: a decode step of 256 requests through the batch calls, spec/manager.md §17,
         per configuration of :data:`BATCH_CONFIGS`, against kvref's and the per-request loop;
@@ -869,6 +923,8 @@ def run_bench(*, quick: bool = False, replay_requests: int = 128, only: Sequence
     if "attention" in only:
         rows.append(_attention_case(16, 1, rep, 5 if quick else 50))
         rows.append(_attention_case(2, 64, 3 if quick else rep, 1 if quick else 5))
+        rows.append(_paged_attention_case(16, 1, rep, 5 if quick else 50))
+        rows.append(_paged_attention_case(2, 64, 3 if quick else rep, 1 if quick else 5))
     if "replay" in only:
         rows.append(_replay_case(min(replay_requests, 64) if quick else replay_requests, 1 if quick else 3))
     if "configs" in only:

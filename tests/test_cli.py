@@ -363,7 +363,7 @@ def test_bench_passes_its_arguments_and_keeps_errors_to_one_line(capsys, monkeyp
     assert seen == [{"quick": True, "replay_requests": 128, "only": ["prepare"]}]
     code, out, err = run(capsys, "bench", "--only", "nope")
     assert code == 2 and out == ""
-    assert one_error_line(err).startswith("--only: unknown ['nope'], choose from append,prepare,replay")
+    assert one_error_line(err).startswith("--only: unknown ['nope'], choose from append,prepare,attention,replay")
     code, out, err = run(capsys, "bench", "--bogus")
     assert code == 2 and one_error_line(err) == "unrecognized arguments: --bogus"
     code, out, err = run(capsys, "bench", "--help")  # kvcache.bench's own help

@@ -32,8 +32,9 @@ def test_attention_rows():
     """``kvcache bench --only attention``: kvfast's and kvref's outputs agree (checked inside) and
     both rows are measured."""
     rows = bench.run_bench(quick=True, only=["attention"])
-    assert [r["name"].split(" (")[0] for r in rows] == ["varlen_attention decode", "varlen_attention prefill"]
-    assert all(r["ratio"] > 0 and "copy of the" in r["detail"] for r in rows)
+    assert [r["name"].split(" (")[0] for r in rows] == ["varlen_attention decode", "varlen_attention prefill",
+                                                        "paged_attention decode", "paged_attention prefill"]
+    assert all(r["ratio"] > 0 for r in rows) and all("copy of the" in r["detail"] for r in rows[:2])
 
 
 def test_run_bench_rows_and_table(capsys):

@@ -21,21 +21,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .paged import value_of
+from .paged import dot_row, value_of
 
 __all__ = ["ATTENTION", "SLIDING", "CROSS", "attend_slots"]
 
 #: ``kind`` codes of :func:`attend_slots`: causal over ``[0, p]``, within a window, non-causal (encoder keys).
 ATTENTION, SLIDING, CROSS = 0, 1, 2
-
-
-@njit(cache=True, fastmath={"reassoc", "contract"})
-def _dot(q, t, h, Kb, key, D):
-    """``sum_d q[t, h, d] * Kb[key, d]`` in float32 (reassociated: the loop vectorises)."""
-    s = np.float32(0.0)
-    for d in range(D):
-        s += q[t, h, d] * Kb[key, d]
-    return s
 
 
 @njit(cache=True, nogil=True)
@@ -99,7 +90,7 @@ def attend_slots(K, V, table, q, cu, past, used, slots, block_table, block_size,
                 for h in range(kh * group, (kh + 1) * group):
                     m = np.float32(0.0)
                     for key in range(k0, k1):
-                        s = _dot(q, t, h, Kb, key, D) * sc
+                        s = dot_row(q, t, h, Kb, key, D) * sc
                         if capped:
                             s = cap * np.tanh(s / cap)
                         scores[key] = s

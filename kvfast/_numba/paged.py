@@ -8,9 +8,11 @@ computes every address from its byte strides in 64-bit arithmetic.
 * :func:`scatter_paged` copies bit patterns (the inputs already in the buffer's dtype, viewed
   as unsigned words of its size): token ``t`` goes to ``kv[pages[t], 0/1, layer, offsets[t]]``,
   page 0 (the null page: padding) skipped.
-* :func:`attend_paged` computes in float32: per query (token, head) one pass for the largest
-  score (soft-capped, ``softcap * tanh(s / softcap)``, when ``softcap`` is not 0; the head's
-  sink logit included when there are sinks), one for the weights and the weighted values (the
+* :func:`attend_paged` computes in float32: per row and K/V head, the keys and values its
+  queries see are read once into float32 scratch (dequantised; the head's query heads and the
+  row's tokens share them); then per query (token, head) one pass for the largest score
+  (soft-capped, ``softcap * tanh(s / softcap)``, when ``softcap`` is not 0; the head's sink
+  logit included when there are sinks), one for the weights and the weighted values (the
   sink's weight joins the denominator, with no value), then the division. A 16-bit buffer
   (float16 or bfloat16 bits as ``uint16``) is read through a 65536-entry float32 table of its
   values (exact); a float32 buffer directly; FP8 pages (``uint8`` bits) through the 256-entry
@@ -26,7 +28,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-__all__ = ["scatter_paged", "attend_paged", "decode_table", "value_of"]
+__all__ = ["scatter_paged", "attend_paged", "decode_table", "dot_row", "value_of"]
 
 
 @njit(cache=True, nogil=True)
@@ -61,6 +63,15 @@ def _value_of(kv, table, x):
     return lambda kv, table, x: table[x]
 
 
+@njit(cache=True, fastmath={"reassoc", "contract"})
+def dot_row(q, t, h, Kb, key, D):
+    """``sum_d q[t, h, d] * Kb[key, d]`` in float32 (reassociated: the loop vectorises)."""
+    s = np.float32(0.0)
+    for d in range(D):
+        s += q[t, h, d] * Kb[key, d]
+    return s
+
+
 @njit(cache=True, nogil=True)
 def attend_paged(kv, table, layer, q, lut, lengths, row_offsets, window, scale, out, scales, scaled, softcap,
                  sinks, has_sinks):
@@ -78,6 +89,10 @@ def attend_paged(kv, table, layer, q, lut, lengths, row_offsets, window, scale, 
     holds each query head's sink logit: it joins the largest score ``m`` and the denominator
     (``exp(sinks[h] - m)``) and has no value; without, ``sinks`` is not read. A query that sees
     no key keeps its zeros.
+
+    Per row and K/V head, the keys and values on real pages that any of the row's queries sees
+    are read once into float32 scratch (dequantised), shared by the head's query heads and the
+    row's tokens; keys on the null page are never read.
     """
     P, Hk, D = kv.shape[3], kv.shape[4], kv.shape[5]
     Hq = q.shape[1]
@@ -91,59 +106,71 @@ def attend_paged(kv, table, layer, q, lut, lengths, row_offsets, window, scale, 
         n = lengths[b] + row_offsets[b + 1] - row_offsets[b]
         if n > longest:
             longest = n
+    Kb = np.empty((longest, D), np.float32)
+    Vb = np.empty((longest, D), np.float32)
+    pages = np.empty(longest, np.int64)
     scores = np.empty(longest, np.float32)
     acc = np.empty(D, np.float32)
     for b in range(B):
         past = lengths[b]
-        for t in range(row_offsets[b], row_offsets[b + 1]):
-            p = past + t - row_offsets[b]
-            if lut[b, p // P] <= 0:
-                continue  # a padding query: zeros
-            k0 = 0
-            if window > 0 and p - window + 1 > 0:
-                k0 = p - window + 1
-            for h in range(Hq):
-                kh = h // group
-                m = np.float32(0.0)
-                seen = False
-                for key in range(k0, p + 1):
-                    pg = lut[b, key // P]
-                    if pg <= 0:
-                        continue
-                    o = key % P
-                    ks = scales[pg, 0, layer, kh] if scaled else np.float32(1.0)
-                    s = np.float32(0.0)
-                    for d in range(D):
-                        s += q[t, h, d] * (value_of(kv, table, kv[pg, 0, layer, o, kh, d]) * ks)
-                    s *= sc
-                    if capped:
-                        s = cap * np.tanh(s / cap)
-                    scores[key - k0] = s
-                    if not seen or s > m:
-                        m = s
-                        seen = True
-                if not seen:
-                    continue
-                sink = sinks[h] if has_sinks else np.float32(0.0)
-                if has_sinks and sink > m:
-                    m = sink
+        n = past + row_offsets[b + 1] - row_offsets[b]
+        if n == past:
+            continue  # no query in this row
+        lo = 0  # the first key any query of the row sees
+        if window > 0 and past - window + 1 > 0:
+            lo = past - window + 1
+        for key in range(lo, n):
+            pages[key] = lut[b, key // P]
+        for kh in range(Hk):
+            for key in range(lo, n):
+                pg = pages[key]
+                if pg <= 0:
+                    continue  # the null page: never read
+                o = key % P
+                ks = scales[pg, 0, layer, kh] if scaled else np.float32(1.0)
+                vs = scales[pg, 1, layer, kh] if scaled else np.float32(1.0)
                 for d in range(D):
-                    acc[d] = np.float32(0.0)
-                total = np.float32(0.0)
-                for key in range(k0, p + 1):
-                    pg = lut[b, key // P]
-                    if pg <= 0:
+                    Kb[key, d] = value_of(kv, table, kv[pg, 0, layer, o, kh, d]) * ks
+                    Vb[key, d] = value_of(kv, table, kv[pg, 1, layer, o, kh, d]) * vs
+            for t in range(row_offsets[b], row_offsets[b + 1]):
+                p = past + t - row_offsets[b]
+                if pages[p] <= 0:
+                    continue  # a padding query: zeros
+                k0 = 0
+                if window > 0 and p - window + 1 > 0:
+                    k0 = p - window + 1
+                for h in range(kh * group, (kh + 1) * group):
+                    m = np.float32(0.0)
+                    seen = False
+                    for key in range(k0, p + 1):
+                        if pages[key] <= 0:
+                            continue
+                        s = dot_row(q, t, h, Kb, key, D) * sc
+                        if capped:
+                            s = cap * np.tanh(s / cap)
+                        scores[key] = s
+                        if not seen or s > m:
+                            m = s
+                            seen = True
+                    if not seen:
                         continue
-                    o = key % P
-                    vs = scales[pg, 1, layer, kh] if scaled else np.float32(1.0)
-                    w = np.exp(scores[key - k0] - m)
-                    total += w
+                    sink = sinks[h] if has_sinks else np.float32(0.0)
+                    if has_sinks and sink > m:
+                        m = sink
                     for d in range(D):
-                        acc[d] += w * (value_of(kv, table, kv[pg, 1, layer, o, kh, d]) * vs)
-                if has_sinks:
-                    total += np.exp(sink - m)
-                for d in range(D):
-                    out[t, h, d] = acc[d] / total
+                        acc[d] = np.float32(0.0)
+                    total = np.float32(0.0)
+                    for key in range(k0, p + 1):
+                        if pages[key] <= 0:
+                            continue
+                        w = np.exp(scores[key] - m)
+                        total += w
+                        for d in range(D):
+                            acc[d] += w * Vb[key, d]
+                    if has_sinks:
+                        total += np.exp(sink - m)
+                    for d in range(D):
+                        out[t, h, d] = acc[d] / total
 
 
 _TABLES: dict = {}
