@@ -30,6 +30,8 @@ import kvfast
 import kvref
 from kvspec import KVCacheConfig, KVCacheMode, KVCacheParams, KVLayerSpec, TextContext
 
+from _dense_attention import dense_attention
+
 H, D, P, LAYERS = 2, 8, 4, 2
 TOL = dict(rtol=1e-5, atol=1e-6)
 ORACLE_TOL = dict(rtol=1e-5, atol=2e-6)
@@ -52,30 +54,9 @@ def _sinks(hq: int, seed: int = 5) -> np.ndarray:
 
 def oracle(q, k, v, past: int, *, window=None, scale=None, softcap=None, sinks=None):
     """float64 causal GQA attention of ``q`` ``[t, q_heads, d]`` (positions ``past..``) over a row's
-    ``k`` / ``v`` ``[n, kv_heads, d]`` with soft-capping and sink logits (the formula above)."""
-    n, t = k.shape[0], q.shape[0]
-    scale = 1 / np.sqrt(k.shape[-1]) if scale is None else scale
-    g = q.shape[1] // k.shape[1]
-    kf = np.repeat(k.astype(np.float64), g, axis=1)
-    vf = np.repeat(v.astype(np.float64), g, axis=1)
-    s = np.einsum("qhd,khd->hqk", q.astype(np.float64), kf) * scale
-    if softcap:
-        s = softcap * np.tanh(s / softcap)
-    qp = past + np.arange(t)[:, None]
-    kp = np.arange(n)[None, :]
-    mask = kp <= qp
-    if window:
-        mask &= kp > qp - window
-    s = np.where(mask[None], s, -np.inf)
-    m = s.max(-1, keepdims=True)
-    if sinks is not None:
-        sk = np.asarray(sinks, np.float64)[:, None, None]
-        m = np.maximum(m, sk)
-    w = np.exp(s - m)
-    total = w.sum(-1, keepdims=True)
-    if sinks is not None:
-        total = total + np.exp(sk - m)
-    return np.einsum("hqk,khd->qhd", w / total, vf)
+    ``k`` / ``v`` ``[n, kv_heads, d]`` with soft-capping and sink logits: the tests' one oracle
+    (``tests/_dense_attention.py``), its output only."""
+    return dense_attention(q, k, v, past, window, scale, softcap=softcap, sinks=sinks)[0]
 
 
 def _opts(softcap, with_sinks, hq):
