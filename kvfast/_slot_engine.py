@@ -58,7 +58,6 @@ def _fp8():
     return fp8
 
 
-_NO_TABLE = np.zeros(1, np.float32)                 # float32 storage: no value table
 _NO_BLOCK_TABLE = np.zeros((1, 1), np.int32)        # a dense plane: no block table
 _NO_SINKS = np.zeros(1, np.float32)                 # no sink logits (not read)
 
@@ -302,30 +301,27 @@ class FastSlotEngine(ReferenceSlotEngine):
     def attend(self, q, K, V, kind, window: int, step: StepIndices, block_size, scale: float, kv_scales=None,
                softcap: float = 0.0, sinks=None):
         """``spec/slot-cache.md`` §7.3 in one Numba call (:func:`kvfast._numba.attend.attend_slots`):
-        keys and values read in place (float32, or float16 / bfloat16 words through their value
-        table), no gather. FP8 storage takes the reference's dequantised path (spec/slot-cache.md §10.3)."""
+        keys and values read in place (float32, or float16 / bfloat16 bits widened exactly), no
+        gather. FP8 storage takes the reference's dequantised path (spec/slot-cache.md §10.3)."""
         if kv_scales is not None:  # FP8: read as gather_kv_fp8 reads it, bit for bit (spec/slot-cache.md §10.3)
             return super().attend(q, K, V, kind, window, step, block_size, scale, kv_scales, softcap, sinks)
         from ._numba.attend import ATTENTION, CROSS, SLIDING, attend_slots
-        from ._numba.paged import decode_table
+        from ._numba.vecmath import word_view
 
         got = self._attend_views.get((id(K), id(V)))
         if got is None or got[0] is not K or got[1] is not V:  # once per layer: storage keeps its identity
             H, D = K.shape[2], K.shape[3]
-            if K.dtype == np.float32:
-                got = (K, V, K.reshape(-1, H, D), V.reshape(-1, H, D), _NO_TABLE)
-            else:  # float16 / bfloat16: their bits, read through the exact value table
-                got = (K, V, K.reshape(-1, H, D).view(np.uint16), V.reshape(-1, H, D).view(np.uint16),
-                       decode_table(dtype_name(K.dtype)))
+            # float32, or float16 / bfloat16 read as their bits
+            got = (K, V, word_view(K.reshape(-1, H, D)), word_view(V.reshape(-1, H, D)))
             self._attend_views[(id(K), id(V))] = got
-        _, _, Kf, Vf, table = got
+        _, _, Kf, Vf = got
         if not (q.dtype == np.float32 and q.flags.c_contiguous):
             q = np.ascontiguousarray(q, dtype=np.float32)
         out = np.empty(q.shape, np.float32)
         cross = kind is LayerKind.CROSS_ATTENTION
         code = CROSS if cross else SLIDING if kind is LayerKind.SLIDING_WINDOW else ATTENTION
         paged = block_size is not None and not cross  # a cross layer's plane is dense in both modes
-        attend_slots(Kf, Vf, table, q, step.cu_seqlens_q, step.past_len,
+        attend_slots(Kf, Vf, q, step.cu_seqlens_q, step.past_len,
                      step.cross_seqused_k if cross else step.seqused_k, step.slot_ids,
                      step.block_table if paged else _NO_BLOCK_TABLE, block_size if paged else 0, K.shape[1], code,
                      window, scale, softcap, _NO_SINKS if sinks is None else sinks, sinks is not None, out)

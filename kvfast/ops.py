@@ -219,7 +219,8 @@ class FastPagedOps(kvref.ops.ReferencePagedOps):
         as ``kvref.ops.ReferencePagedOps.attend``: ``softcap`` (0.0: off) soft-caps every score,
         ``sinks`` (host float32 [q_heads], or None) adds each head's sink logit to the softmax
         denominator."""
-        from ._numba.paged import attend_paged, decode_table
+        from ._numba.paged import attend_paged
+        from ._numba.vecmath import word_view
 
         q = np.ascontiguousarray(q.astype(np.float32, copy=False))
         out = np.zeros(q.shape, np.float32)
@@ -229,11 +230,8 @@ class FastPagedOps(kvref.ops.ReferencePagedOps):
         if kv_scales is not None:  # FP8 bits through their format's table, times the page-head's scale
             attend_paged(kv_blocks.view(np.uint8), _fp8_table(fp8), layer, q, lut, lengths, row_offsets, window,
                          scale, out, kv_scales, True, cap, sk, has_sinks)
-        elif kv_blocks.dtype == np.float32:
-            attend_paged(kv_blocks, _NO_TABLE, layer, q, lut, lengths, row_offsets, window, scale, out,
-                         _NO_SCALES, False, cap, sk, has_sinks)
-        else:
-            attend_paged(kv_blocks.view(np.uint16), decode_table(kv_blocks.dtype.name), layer, q, lut, lengths,
+        else:  # float32 as is, float16 / bfloat16 as their bits (widened exactly)
+            attend_paged(word_view(kv_blocks), _NO_TABLE, layer, q, lut, lengths,
                          row_offsets, window, scale, out, _NO_SCALES, False, cap, sk, has_sinks)
         return out
 

@@ -33,7 +33,7 @@ def _without_refcounts() -> dict:
 _INNER = _without_refcounts()
 
 
-def inner_kernel(fn):
+def inner_kernel(fn=None, **options):
     """``@njit(cache=True)`` for a helper that other kernels call once per element (a free-list
     link, a slab block's reference): compiled without NRT reference counting.
 
@@ -41,6 +41,9 @@ def inner_kernel(fn):
     decrefed at the call, two atomic operations per array that neither inlining (Numba's
     ``inline="always"`` nor LLVM's) removes: a helper of six arrays cost about 50 ns a call,
     3 ns without (measured on the slab table's park and un-park; docs/performance.md). A helper
-    so compiled must not allocate or return an array; its callers keep NRT.
+    so compiled must not allocate or return an array; its callers keep NRT. ``options``: further
+    ``njit`` options (``fastmath``), as ``@inner_kernel(fastmath=...)``.
     """
-    return njit(cache=True, **_INNER)(fn)
+    if fn is None:
+        return lambda f: njit(cache=True, **_INNER, **options)(f)
+    return njit(cache=True, **_INNER, **options)(fn)

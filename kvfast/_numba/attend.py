@@ -11,9 +11,10 @@ the division, all in float32. Keys are read where the cache keeps them, with no 
 * a contiguous layer, and every cross layer (its encoder plane), at flat row ``slot *
   plane_rows + p``.
 
-float32 storage is read directly; float16 and bfloat16 storage as ``uint16`` words through the
-65536-entry table of their values (exact, ``kvfast/_numba/paged.py``'s :func:`decode_table`).
-FP8 storage takes the reference's dequantised path (spec/slot-cache.md §10.3), not this kernel.
+float32 storage is read directly; float16 and bfloat16 storage as their bits, widened exactly by
+bit arithmetic (``kvfast/_numba/vecmath.py``, which also holds the softmax core both CPU attention
+kernels share). FP8 storage takes the reference's dequantised path (spec/slot-cache.md §10.3),
+not this kernel.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .paged import dot_row, value_of
+from .vecmath import SUMS, attend_head, value_of
 
 __all__ = ["ATTENTION", "SLIDING", "CROSS", "attend_slots"]
 
@@ -29,13 +30,14 @@ __all__ = ["ATTENTION", "SLIDING", "CROSS", "attend_slots"]
 ATTENTION, SLIDING, CROSS = 0, 1, 2
 
 
-@njit(cache=True, nogil=True)
-def attend_slots(K, V, table, q, cu, past, used, slots, block_table, block_size, plane_rows, kind, window, scale,
-                 softcap, sinks, has_sinks, out):
+@njit(cache=True, nogil=True, fastmath=SUMS)
+def attend_slots(K, V, q, cu, past, used, slots, block_table, block_size, plane_rows, kind, window, scale, softcap,
+                 sinks, has_sinks, out):
     """float32 attention of ``q [T, q_heads, head_dim]`` into ``out`` (same shape, every row written).
 
-    ``K``, ``V`` ``[rows, kv_heads, head_dim]``: float32, or ``uint16`` words read through
-    ``table``; ``cu`` ``[B + 1]``, ``past``, ``used``, ``slots`` ``[B]`` (int32: the step's
+    ``K``, ``V`` ``[rows, kv_heads, head_dim]``: word views of the storage
+    (``kvfast/_numba/vecmath.py``'s :func:`word_view`: float32, or float16 / bfloat16 bits);
+    ``cu`` ``[B + 1]``, ``past``, ``used``, ``slots`` ``[B]`` (int32: the step's
     ``cu_seqlens_q``, ``past_len``, ``seqused_k`` or, for ``kind == CROSS``,
     ``cross_seqused_k``, and ``slot_ids``); ``block_table`` ``[B, cols]`` read when
     ``block_size > 0``, else row ``slot * plane_rows + p``; ``window`` read for ``SLIDING``;
@@ -43,25 +45,29 @@ def attend_slots(K, V, table, q, cu, past, used, slots, block_table, block_size,
     or the encoder's, which ``ops.varlen_attention`` checks).
 
     Per row and K/V head, the keys and values any of the row's queries sees are read once into
-    float32 scratch (the head's query heads and the row's tokens share them), then each query
-    head takes its scores, its softmax and its weighted values from the scratch.
+    float32 scratch (the head's query heads and the row's tokens share them); then each query
+    token's softmax over them for the group's query heads is :func:`attend_head`.
     """
     Hk, D = K.shape[1], K.shape[2]
-    Hq = q.shape[1]
-    group = Hq // Hk
-    sc = np.float32(scale)
+    G = q.shape[1] // Hk
     cap = np.float32(softcap)
-    capped = cap != np.float32(0.0)
     B = slots.shape[0]
     longest = 1
+    widest = 1
     for b in range(B):
         if used[b] > longest:
             longest = used[b]
+        if cu[b + 1] - cu[b] > widest:
+            widest = cu[b + 1] - cu[b]
     Kb = np.empty((longest, D), np.float32)
     Vb = np.empty((longest, D), np.float32)
     rows = np.empty(longest, np.int64)
-    scores = np.empty(longest, np.float32)
-    acc = np.empty(D, np.float32)
+    scores = np.empty((G, longest), np.float32)
+    acc = np.empty((G, D), np.float32)
+    qh = np.empty((G, D), np.float32)
+    totals = np.empty(G, np.float32)
+    k_lo = np.empty(widest, np.int64)
+    k_hi = np.empty(widest, np.int64)
     for b in range(B):
         n = np.int64(used[b])
         lo = 0  # the first key any query of the row sees
@@ -73,40 +79,26 @@ def attend_slots(K, V, table, q, cu, past, used, slots, block_table, block_size,
                 rows[key] = np.int64(block_table[b, key // block_size]) * block_size + key % block_size
             else:
                 rows[key] = base + key
+        for t in range(cu[b], cu[b + 1]):  # each query token's keys
+            i = t - cu[b]
+            if kind == CROSS:
+                k_lo[i], k_hi[i] = 0, n
+            else:
+                p = np.int64(past[b]) + i
+                k_lo[i], k_hi[i] = 0, p + 1
+                if kind == SLIDING and p - window + 1 > 0:
+                    k_lo[i] = p - window + 1
         for kh in range(Hk):
             for key in range(lo, n):
                 r = rows[key]
                 for d in range(D):
-                    Kb[key, d] = value_of(K, table, K[r, kh, d])
-                    Vb[key, d] = value_of(V, table, V[r, kh, d])
-            for t in range(cu[b], cu[b + 1]):
-                if kind == CROSS:
-                    k0, k1 = 0, n
-                else:
-                    p = np.int64(past[b]) + t - cu[b]
-                    k0, k1 = 0, p + 1
-                    if kind == SLIDING and p - window + 1 > 0:
-                        k0 = p - window + 1
-                for h in range(kh * group, (kh + 1) * group):
-                    m = np.float32(0.0)
-                    for key in range(k0, k1):
-                        s = dot_row(q, t, h, Kb, key, D) * sc
-                        if capped:
-                            s = cap * np.tanh(s / cap)
-                        scores[key] = s
-                        if key == k0 or s > m:
-                            m = s
-                    if has_sinks and sinks[h] > m:
-                        m = sinks[h]
-                    for d in range(D):
-                        acc[d] = np.float32(0.0)
-                    total = np.float32(0.0)
-                    for key in range(k0, k1):
-                        w = np.exp(scores[key] - m)
-                        total += w
-                        for d in range(D):
-                            acc[d] += w * Vb[key, d]
-                    if has_sinks:
-                        total += np.exp(sinks[h] - m)
-                    for d in range(D):
-                        out[t, h, d] = acc[d] / total
+                    Kb[key, d] = value_of(K, _NO_TABLE, K[r, kh, d])
+                for d in range(D):
+                    Vb[key, d] = value_of(V, _NO_TABLE, V[r, kh, d])
+            attend_head(q, cu[b], k_lo[: cu[b + 1] - cu[b]], k_hi[: cu[b + 1] - cu[b]], kh * G, Kb, Vb, _NO_MASK,
+                        False, scale, cap, sinks, has_sinks, qh, scores, acc, totals, out)
+
+#: ``value_of``'s table argument for the words this kernel reads (float32, float16, bfloat16: no table)
+_NO_TABLE = np.zeros(1, np.float32)
+#: ``attend_head``'s key mask when every key is real (not read)
+_NO_MASK = np.zeros(1, np.int64)

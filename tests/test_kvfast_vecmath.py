@@ -1,0 +1,137 @@
+"""The float32 core of kvfast's CPU attention kernels (``kvfast/_numba/vecmath.py``).
+
+* The 16-bit widening is exact: every one of the 65536 float16 and bfloat16 bit patterns decodes
+  to NumPy's / ml_dtypes' own float32 value, bit for bit (NaN payloads as NaN).
+* ``exp_nonpos`` is within 1e-7 relative of float64 ``exp`` on ``[-87.3, 0]``, exactly 0 below
+  float32's normal range and for ``-inf``, NaN for NaN.
+* Non-finite K/V reach the output as in the reference: a NaN or an infinity in one key of a row
+  changes that row's outputs for the K/V head's query heads the same way in kvref and in both
+  kvfast kernels (slot cache and manager pages; NaN where the reference has NaN), and no other
+  row or head changes (the kernels' rows and heads do not leak into each other).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from numba import njit
+
+import kvfast
+import kvref
+from kvfast._numba.vecmath import exp_nonpos, value_of, word_view
+from kvspec import KVCacheConfig, KVCacheMode, KVCacheParams, KVLayerSpec, TextContext
+
+
+@njit(cache=False)
+def _decode_all(words, out):
+    for i in range(words.shape[0]):
+        out[i] = value_of(words, out, words[i])
+
+
+@njit(cache=False)
+def _exp_all(x, out):
+    for i in range(x.shape[0]):
+        out[i] = exp_nonpos(x[i])
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["float16", "bfloat16"])
+def test_every_16_bit_pattern_widens_exactly(dtype):
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    stored = bits.view(dtype)
+    want = stored.astype(np.float32)
+    got = np.empty(bits.size, np.float32)
+    _decode_all(word_view(stored), got)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+    # the Python form says the same
+    for b in (0x0000, 0x8000, 0x0001, 0x03FF, 0x3C00, 0x7C00, 0xFC00, 0x3F80, 0x7BFF):
+        w = word_view(np.array([b], np.uint16).view(dtype))
+        assert value_of(w, None, w[0]).view(np.uint32) == want[b].view(np.uint32)
+
+
+def test_word_view_refuses_other_dtypes():
+    with pytest.raises(TypeError, match="dtype=int32"):
+        word_view(np.zeros(4, np.int32))
+    assert word_view(np.zeros(4, np.float32)).dtype == np.float32
+
+
+def test_exp_nonpos_accuracy_and_limits():
+    x = -np.linspace(0.0, 87.3, 2_000_001).astype(np.float32)
+    got = np.empty_like(x)
+    _exp_all(x, got)
+    want = np.exp(x.astype(np.float64))
+    assert (np.abs(got - want) / want).max() < 1e-7
+    edge = np.array([-87.34, -100.0, -1e30, -np.inf, np.nan, 0.0], np.float32)
+    out = np.empty_like(edge)
+    _exp_all(edge, out)
+    assert np.array_equal(out[:4], np.zeros(4, np.float32))
+    assert np.isnan(out[4]) and out[5] == 1.0
+
+
+# --------------------------------------------------------------------------- non-finite K/V
+
+ROWS, PAST, HK, HQ, D = 3, 40, 2, 4, 16
+
+
+def _slot_outputs(pkg, poison: float):
+    cfg = KVCacheConfig(num_layers=1, max_seqs=ROWS, max_seq_len=PAST + 1, mode=KVCacheMode.PAGED, block_size=8,
+                        dtype="float16")
+    cache = pkg.KVCache.make(cfg, [KVLayerSpec.attention(HK, D)])
+    rng = np.random.default_rng(11)
+    slots = np.arange(ROWS, dtype=np.int32)
+    step = None
+    for n, start in ((PAST, 0), (1, PAST)):
+        step = cache.prepare_step(np.arange(ROWS + 1) * n, np.full(ROWS, start), slots)
+        k, v = (rng.standard_normal((ROWS * n, HK, D)).astype(np.float32) for _ in range(2))
+        if start == 0:
+            k[PAST + 7, 1, 3] = poison  # row 1, key 7, K/V head 1
+        pkg.ops.append_kv(cache, 0, k, v, step)
+        if start == 0:
+            for s in range(ROWS):
+                cache.update_position(s, PAST)
+    q = rng.standard_normal((ROWS, HQ, D)).astype(np.float32)
+    return np.asarray(pkg.ops.varlen_attention(q, cache, 0, step))
+
+
+def _paged_outputs(pkg, poison: float):
+    params = KVCacheParams(page_size=8, num_layers=1, kv_heads=HK, head_dim=D, dtype="float16")
+    m = pkg.PagedKVCacheManager(params, num_blocks=ROWS * 6 + 1, max_batch_size=ROWS, max_seq_len=48)
+    rng = np.random.default_rng(12)
+    ctxs = [TextContext(str(i), rng.integers(0, 1000, PAST + 1).astype(np.int32)) for i in range(ROWS)]
+    for c in ctxs:
+        m.claim(c)
+        c.chunk(PAST)
+    for n in (PAST, 1):
+        for c in ctxs:
+            m.alloc(c)
+        inp = m.runtime_inputs([ctxs]).inputs[0]
+        offsets = np.arange(ROWS + 1, dtype=np.int64) * n
+        k, v = (rng.standard_normal((ROWS * n, HK, D)).astype(np.float32) for _ in range(2))
+        if n == PAST:
+            v[PAST + 7, 0, 5] = poison  # row 1, key 7, K/V head 0
+        pkg.ops.append_kv_paged(inp.kv_blocks, 0, k, v, inp, offsets)
+        if n == PAST:
+            for c in ctxs:
+                m.step(c)
+                c.advance_chunk()
+    q = rng.standard_normal((ROWS, HQ, D)).astype(np.float32)
+    return np.asarray(pkg.ops.paged_attention(q, inp.kv_blocks, 0, inp, offsets))
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("outputs", [_slot_outputs, _paged_outputs], ids=["varlen_attention", "paged_attention"])
+def test_non_finite_kv_reach_only_their_row_and_group(outputs, poison):
+    clean_ref, clean_fast = outputs(kvref, 0.0), outputs(kvfast, 0.0)
+    with np.errstate(invalid="ignore"):  # (the reference's inf - inf)
+        ref, fast = outputs(kvref, poison), outputs(kvfast, poison)
+    np.testing.assert_allclose(fast, ref, rtol=1e-5, atol=1e-6)  # (NaNs at the same places)
+    head = slice(HQ // HK, HQ) if outputs is _slot_outputs else slice(0, HQ // HK)  # the poisoned K/V head's group
+    assert (~np.isfinite(fast[1, head])).any() or not np.allclose(fast[1, head], clean_fast[1, head])
+    if poison != poison:
+        assert np.isnan(fast[1, head]).any()
+    others = np.ones(fast.shape, bool)
+    others[1, head] = False
+    assert np.array_equal(fast[others], clean_fast[others])  # no other row or group sees it
+    assert np.array_equal(ref[others], clean_ref[others])
