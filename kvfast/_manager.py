@@ -150,8 +150,6 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
                          if leaf.kind is LeafKind.SLIDING_WINDOW]
         if not self._drafts and not self._state_ids:
             self._alloc_plan = self._alloc_plan_paged  # the plan without drafts or state rows
-        if self._single:
-            self.step = self._step_single  # one full leaf: the plan inlined (a decode token's step)
         if params.hash_algo == "sha256":
             self._hash1 = _sha256_digest
         else:
@@ -608,24 +606,6 @@ class PagedKVCacheManager(kvref.PagedKVCacheManager):
         if not self._single:
             return self._step_leaves(ctx)
         return self._step_one(ctx)
-
-    def _step_single(self, ctx: TextContext) -> None:
-        """``step`` of a one-full-leaf manager (bound as ``step`` at construction): :meth:`_step_plan`
-        inlined for its ``_single`` case. A settled request's forward inside its rows that fills no
-        block past the committed ones (or any forward without prefix caching) is only counted
-        (spec/manager.md §5); a filling one commits (:meth:`_step_one`); anything else is
-        :meth:`step`'s."""
-        if type(ctx) is TextContext and not self._closed:
-            req = self._requests.get(ctx.request_id)
-            if req is not None and req.ctx is ctx and req.settled:
-                processed = ctx._processed
-                page = self._page
-                if processed <= len(req.rows[self._anchor_id]) * page:
-                    if processed < (req.committed + 1) * page or not self._caching:
-                        req.step_gen += 1
-                        return
-                    return self._step_one(ctx)
-        return PagedKVCacheManager.step(self, ctx)
 
     def _step_one(self, ctx: TextContext) -> None:
         """``step`` of one full leaf: the commit of a settled request (the batch path's), or the
