@@ -15,9 +15,20 @@ the GIL over and then waits for it back, up to the interpreter's switch
 interval (5 ms), on the scheduler's thread. Measured on the host-tier scheduler
 loop: 7 to 11 lookup-table builds per 64 requests stalled 1 to 4 ms each with
 ``nogil=True``, none without (docs/performance.md).
+
+The on-disk cache (``cache=True``): every kernel's entry is stale as soon as any ``.py`` file of
+kvfast changes (``_cache.py``), because Numba itself would only watch the kernel's own file.
 """
 
+import os
+
 from numba import njit
+
+from ._cache import stamp_package_caches
+
+# A kernel's cache entry is stale once any file of kvfast changes, not only its own (a kernel
+# carries the code of the kernels it calls from other files): kvfast/_numba/_cache.py.
+stamp_package_caches(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _without_refcounts() -> dict:
