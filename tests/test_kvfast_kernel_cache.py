@@ -1,5 +1,6 @@
-"""kvfast's Numba kernel cache goes stale as a whole when any file of the package changes
-(``kvfast/_numba/_cache.py``).
+"""Compiled kernels never outlive their sources: kvfast's Numba kernel cache goes stale as a whole
+when any file of the package changes (``kvfast/_numba/_cache.py``), and a CUDA module's cache key
+covers the headers it includes (``kvfast/_cuda/_sources.py``'s ``module_code``).
 
 Numba alone keys a cached function by its own file: a kernel that calls a compiled function of
 another file keeps that callee's old code after only the callee's file changed. Here a real
@@ -7,6 +8,9 @@ package on disk, a caller and a callee in two files, both ``cache=True``, run in
 interpreters (real cache files under its ``__pycache__``): with the package registered through
 ``stamp_package_caches``, an unchanged package loads from the cache, and a change to the callee
 alone is compiled anew into the caller.
+
+The same class on the GPU path: CuPy's on-disk module cache is keyed by the code text, so the
+code kvfast hands ``RawModule`` carries the digest of ``kvfast/kernels``' headers.
 """
 
 from __future__ import annotations
@@ -67,3 +71,20 @@ def test_a_callee_change_recompiles_its_callers(tmp_path):
 def test_kvfast_itself_is_registered():
     root = os.path.dirname(os.path.dirname(os.path.abspath(kvfast._numba.__file__)))
     assert root in _ROOTS
+
+
+def test_cupy_module_code_names_the_headers(monkeypatch):
+    """CuPy's on-disk module cache is keyed by the code text, not by what ``#include`` reads
+    through ``-I``: the code kvfast compiles carries its headers' digest, so a changed header
+    is a new cache key (and the emulated device still recognises the code)."""
+    from kvfast._cuda import _sources
+
+    code = _sources.module_code("append_kv.cu")
+    assert code.startswith(_sources.source("append_kv.cu"))
+    headers = _sources.header_sources()
+    assert headers and any(f'#include "{name}"' in _sources.source(f) for name in headers for f in _sources.KERNELS)
+    changed = {name: text + "\n// changed\n" for name, text in headers.items()}
+    monkeypatch.setattr(_sources, "header_sources", lambda: changed)
+    assert _sources.module_code("append_kv.cu") != code
+    monkeypatch.undo()
+    assert _sources.module_code("append_kv.cu") == code

@@ -6,7 +6,7 @@ import functools
 
 import numpy as np
 
-from ._sources import KERNEL_DIR, entry_name, source
+from ._sources import KERNEL_DIR, entry_name, module_code
 
 __all__ = ["cupy", "get_kernel", "launch_1d_rows", "emulating", "install_emulation_if_requested", "check_rows"]
 
@@ -49,7 +49,7 @@ def cupy():
 def _module(filename: str, device_id: int):
     cp = cupy()
     with cp.cuda.Device(device_id):
-        return cp.RawModule(code=source(filename), options=("--std=c++17", f"-I{KERNEL_DIR}"))
+        return cp.RawModule(code=module_code(filename), options=("--std=c++17", f"-I{KERNEL_DIR}"))
 
 
 def get_kernel(filename: str, base: str, itemsize: int, device_id: int = 0):

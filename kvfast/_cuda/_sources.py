@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
-__all__ = ["KERNEL_DIR", "KERNELS", "ELEM_SUFFIX", "source", "header_sources", "entry_name"]
+__all__ = ["KERNEL_DIR", "KERNELS", "ELEM_SUFFIX", "source", "header_sources", "module_code", "entry_name"]
 
 #: Directory holding the ``.cu`` files and ``common.cuh``.
 KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
@@ -32,6 +33,19 @@ def source(filename: str) -> str:
 def header_sources() -> dict[str, str]:
     """``{include name: text}`` of the headers the ``.cu`` files include."""
     return {p.name: p.read_text() for p in sorted(KERNEL_DIR.glob("*.cuh"))}
+
+
+def module_code(filename: str) -> str:
+    """The text kvfast hands CuPy's ``RawModule`` for one ``.cu`` file: the file, then a comment
+    naming the sha256 of every header of ``kvfast/kernels``.
+
+    CuPy caches compiled modules on disk (``~/.cupy/kernel_cache``) keyed by the code text and
+    the options, not by the headers an ``#include`` reads through ``-I``: without the comment, a
+    changed ``common.cuh`` would keep loading the cubins built from the old one."""
+    digest = hashlib.sha256()
+    for name, text in header_sources().items():
+        digest.update(name.encode() + b"\0" + text.encode() + b"\0")
+    return f"{source(filename)}\n// kvfast headers sha256 {digest.hexdigest()}\n"
 
 
 def entry_name(base: str, itemsize: int) -> str:

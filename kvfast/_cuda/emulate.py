@@ -45,7 +45,7 @@ import weakref
 import numpy as np
 
 from . import harness
-from ._sources import KERNELS, source
+from ._sources import KERNELS, module_code, source
 
 ENV = "KVFAST_CUDA_EMULATE"
 
@@ -579,7 +579,7 @@ _CODE_TO_FILE = None
 def _file_of(code: str) -> str:
     global _CODE_TO_FILE
     if _CODE_TO_FILE is None:
-        _CODE_TO_FILE = {source(f): f for f in KERNELS}
+        _CODE_TO_FILE = {code: f for f in KERNELS for code in (source(f), module_code(f))}
     f = _CODE_TO_FILE.get(code)
     if f is None:
         raise RuntimeError(
