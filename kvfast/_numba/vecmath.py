@@ -175,13 +175,13 @@ def attend_head(q, t0, k_lo, k_hi, h0, Kb, Vb, valid, masked, scale, cap, sinks,
             continue
         for g in range(G):
             for d in range(D):
-                qh[g, d] = q[t, h0 + g, d] * sc
+                qh[g, d] = q[t, h0 + g, d]
         for key in range(k0, k1):  # each key row once for the group
             for g in range(G):
                 s = np.float32(0.0)
                 for d in range(D):
                     s += qh[g, d] * Kb[key, d]
-                scores[g, key] = s
+                scores[g, key] = s * sc  # (scaled after the sum, as the reference)
         if masked:
             seen = 0
             for key in range(k0, k1):

@@ -15,10 +15,17 @@ from typing import Any, Callable
 import numpy as np
 
 __all__ = [
-    "to_numpy", "assert_same", "Outcome", "capture", "assert_same_outcome", "data_ptr", "describe_exc",
+    "to_numpy", "attention_atol", "assert_same", "Outcome", "capture", "assert_same_outcome", "data_ptr", "describe_exc",
     "config_source", "specs_source", "params_source", "array_source",
     "begin_reproduction", "record", "reproduction", "Reproduction",
 ]
+
+
+def attention_atol(values) -> float:
+    """spec/slot-cache.md §7.3: the absolute part of two engines' agreement on attention,
+    ``1e-5 * max(1, |v|max)`` over ``values`` (the arrays of V the step's queries see; the
+    relative part is 1e-5)."""
+    return 1e-5 * max(1.0, max(float(np.abs(v).max()) for v in values))
 
 
 def to_numpy(x) -> np.ndarray:
