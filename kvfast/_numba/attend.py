@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .vecmath import SUMS, attend_head, value_of
+from .vecmath import SUMS, attend_head, head_scratch, value_of
 
 __all__ = ["ATTENTION", "SLIDING", "CROSS", "attend_slots"]
 
@@ -59,15 +59,8 @@ def attend_slots(K, V, q, cu, past, used, slots, block_table, block_size, plane_
             longest = used[b]
         if cu[b + 1] - cu[b] > widest:
             widest = cu[b + 1] - cu[b]
-    Kb = np.empty((longest, D), np.float32)
-    Vb = np.empty((longest, D), np.float32)
     rows = np.empty(longest, np.int64)
-    scores = np.empty((G, longest), np.float32)
-    acc = np.empty((G, D), np.float32)
-    qh = np.empty((G, D), np.float32)
-    totals = np.empty(G, np.float32)
-    k_lo = np.empty(widest, np.int64)
-    k_hi = np.empty(widest, np.int64)
+    Kb, Vb, qh, scores, acc, totals, k_lo, k_hi = head_scratch(longest, widest, G, D)
     for b in range(B):
         n = np.int64(used[b])
         lo = 0  # the first key any query of the row sees

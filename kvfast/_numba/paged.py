@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .vecmath import SUMS, attend_head, value_of
+from .vecmath import SUMS, attend_head, head_scratch, value_of
 
 __all__ = ["scatter_paged", "attend_paged"]
 
@@ -88,15 +88,8 @@ def attend_paged(kv, table, layer, q, lut, lengths, row_offsets, window, scale, 
             longest = n
         if row_offsets[b + 1] - row_offsets[b] > widest:
             widest = row_offsets[b + 1] - row_offsets[b]
-    Kb = np.empty((longest, D), np.float32)
-    Vb = np.empty((longest, D), np.float32)
     pages = np.empty(longest, np.int64)
-    scores = np.empty((G, longest), np.float32)
-    acc = np.empty((G, D), np.float32)
-    qh = np.empty((G, D), np.float32)
-    totals = np.empty(G, np.float32)
-    k_lo = np.empty(widest, np.int64)
-    k_hi = np.empty(widest, np.int64)
+    Kb, Vb, qh, scores, acc, totals, k_lo, k_hi = head_scratch(longest, widest, G, D)
     for b in range(B):
         past = lengths[b]
         n = past + row_offsets[b + 1] - row_offsets[b]

@@ -28,7 +28,7 @@ from kvspec._dtypes import KV_DTYPES
 
 from . import inner_kernel
 
-__all__ = ["word_view", "value_of", "exp_nonpos", "attend_head"]
+__all__ = ["word_view", "value_of", "exp_nonpos", "head_scratch", "attend_head"]
 
 #: ``fastmath`` flags of the loops that sum (dot products, the softmax's denominator, the weighted
 #: values): reassociation lets them vectorise, contraction fuses multiply-adds. No ``nnan`` /
@@ -147,6 +147,16 @@ def exp_nonpos(x):
     if x != x:
         e = x
     return e
+
+
+@njit(cache=True)
+def head_scratch(longest, widest, G, D):
+    """:func:`attend_head`'s float32 scratch for rows of up to ``longest`` keys and ``widest`` query
+    tokens, ``G`` query heads per K/V head of ``D``: ``(Kb, Vb [longest, D], qh [G, D], scores
+    [G, longest], acc [G, D], totals [G])`` and the int64 key ranges ``(k_lo, k_hi [widest])``."""
+    return (np.empty((longest, D), np.float32), np.empty((longest, D), np.float32), np.empty((G, D), np.float32),
+            np.empty((G, longest), np.float32), np.empty((G, D), np.float32), np.empty(G, np.float32),
+            np.empty(widest, np.int64), np.empty(widest, np.int64))
 
 
 @inner_kernel(fastmath=SUMS)
