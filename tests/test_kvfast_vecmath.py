@@ -77,52 +77,20 @@ def test_exp_nonpos_accuracy_and_limits():
 
 # --------------------------------------------------------------------------- non-finite K/V
 
-ROWS, PAST, HK, HQ, D = 3, 40, 2, 4, 16
+ROWS, PAST, HK, GROUP, D = 3, 40, 2, 2, 16
+HQ = HK * GROUP
+#: (array of the history step, [token, K/V head, d]) each op's test poisons: row 1's key 7
+POISON = {"varlen_attention": ("k", (PAST + 7, 1, 3)), "paged_attention": ("v", (PAST + 7, 0, 5))}
 
 
 def _slot_outputs(pkg, poison: float):
-    cfg = KVCacheConfig(num_layers=1, max_seqs=ROWS, max_seq_len=PAST + 1, mode=KVCacheMode.PAGED, block_size=8,
-                        dtype="float16")
-    cache = pkg.KVCache.make(cfg, [KVLayerSpec.attention(HK, D)])
-    rng = np.random.default_rng(11)
-    slots = np.arange(ROWS, dtype=np.int32)
-    step = None
-    for n, start in ((PAST, 0), (1, PAST)):
-        step = cache.prepare_step(np.arange(ROWS + 1) * n, np.full(ROWS, start), slots)
-        k, v = (rng.standard_normal((ROWS * n, HK, D)).astype(np.float32) for _ in range(2))
-        if start == 0:
-            k[PAST + 7, 1, 3] = poison  # row 1, key 7, K/V head 1
-        pkg.ops.append_kv(cache, 0, k, v, step)
-        if start == 0:
-            for s in range(ROWS):
-                cache.update_position(s, PAST)
-    q = rng.standard_normal((ROWS, HQ, D)).astype(np.float32)
-    return np.asarray(pkg.ops.varlen_attention(q, cache, 0, step))
+    return _varlen_case(pkg, "cpu", HK, GROUP, D, "float16", None, None, False, [(PAST, 1)] * ROWS, True, 11,
+                        poison=(*POISON["varlen_attention"], poison))[0]
 
 
 def _paged_outputs(pkg, poison: float):
-    params = KVCacheParams(page_size=8, num_layers=1, kv_heads=HK, head_dim=D, dtype="float16")
-    m = pkg.PagedKVCacheManager(params, num_blocks=ROWS * 6 + 1, max_batch_size=ROWS, max_seq_len=48)
-    rng = np.random.default_rng(12)
-    ctxs = [TextContext(str(i), rng.integers(0, 1000, PAST + 1).astype(np.int32)) for i in range(ROWS)]
-    for c in ctxs:
-        m.claim(c)
-        c.chunk(PAST)
-    for n in (PAST, 1):
-        for c in ctxs:
-            m.alloc(c)
-        inp = m.runtime_inputs([ctxs]).inputs[0]
-        offsets = np.arange(ROWS + 1, dtype=np.int64) * n
-        k, v = (rng.standard_normal((ROWS * n, HK, D)).astype(np.float32) for _ in range(2))
-        if n == PAST:
-            v[PAST + 7, 0, 5] = poison  # row 1, key 7, K/V head 0
-        pkg.ops.append_kv_paged(inp.kv_blocks, 0, k, v, inp, offsets)
-        if n == PAST:
-            for c in ctxs:
-                m.step(c)
-                c.advance_chunk()
-    q = rng.standard_normal((ROWS, HQ, D)).astype(np.float32)
-    return np.asarray(pkg.ops.paged_attention(q, inp.kv_blocks, 0, inp, offsets))
+    return _paged_case(pkg, "cpu", HK, GROUP, D, "float16", None, False, [(PAST, 1)] * ROWS, 12,
+                       poison=(*POISON["paged_attention"], poison))[0]
 
 
 @pytest.mark.parametrize("poison", [np.nan, np.inf], ids=["nan", "inf"])
@@ -150,9 +118,10 @@ from hypothesis import given, strategies as st  # noqa: E402
 DIMS = [1, 15, 16, 17, 33, 64, 80, 128]
 
 
-def _varlen_case(pkg, device, kv_heads, group, dim, dtype, window, softcap, sinks, rows, paged, seed):
+def _varlen_case(pkg, device, kv_heads, group, dim, dtype, window, softcap, sinks, rows, paged, seed, poison=None):
     """``varlen_attention`` of a second step (``rows[b] = (history, queries)``) through ``pkg``'s
-    cache on ``device``: ``(output as NumPy, the V arrays appended)``, the same draws for every call."""
+    cache on ``device``: ``(output as NumPy, the V arrays appended)``, the same draws for every call.
+    ``poison``: ``("k" | "v", index, value)`` written into the history step's K or V first."""
     hq = kv_heads * group
     spec = KVLayerSpec.attention(kv_heads, dim) if window is None else KVLayerSpec.sliding_window(kv_heads, dim,
                                                                                                    window)
@@ -166,6 +135,9 @@ def _varlen_case(pkg, device, kv_heads, group, dim, dtype, window, softcap, sink
         cu = np.concatenate([[0], np.cumsum([r[i] for r in rows])])
         step = cache.prepare_step(cu, [int(cache.seq_lens()[s]) for s in slots], slots)
         k, v = (draw.standard_normal((int(cu[-1]), kv_heads, dim)).astype(np.float32) for _ in range(2))
+        if i == 0 and poison is not None:
+            which, at, value = poison
+            (k if which == "k" else v)[at] = value
         values.append(v)
         pkg.ops.append_kv(cache, 0, k, v, step)
         if i == 0:
@@ -175,9 +147,10 @@ def _varlen_case(pkg, device, kv_heads, group, dim, dtype, window, softcap, sink
     return to_numpy(pkg.ops.varlen_attention(q, cache, 0, step, softcap=softcap, sinks=sk)), values
 
 
-def _paged_case(pkg, device, kv_heads, group, dim, dtype, softcap, sinks, rows, seed):
+def _paged_case(pkg, device, kv_heads, group, dim, dtype, softcap, sinks, rows, seed, poison=None):
     """``paged_attention`` of a second forward (``rows[b] = (history, queries)``) through ``pkg``'s
-    manager on ``device`` (page 8): ``(output as NumPy, the V arrays appended)``."""
+    manager on ``device`` (page 8): ``(output as NumPy, the V arrays appended)``; ``poison`` as
+    :func:`_varlen_case`'s."""
     hq = kv_heads * group
     draw = np.random.default_rng(seed)
     sk = (draw.standard_normal(hq) * 2).astype(np.float32) if sinks else None
@@ -195,6 +168,9 @@ def _paged_case(pkg, device, kv_heads, group, dim, dtype, softcap, sinks, rows, 
         inp = m.runtime_inputs([ctxs]).inputs[0]
         offsets = np.concatenate([[0], np.cumsum([r[i] for r in rows])]).astype(np.int64)
         k, v = (draw.standard_normal((int(offsets[-1]), kv_heads, dim)).astype(np.float32) for _ in range(2))
+        if i == 0 and poison is not None:
+            which, at, value = poison
+            (k if which == "k" else v)[at] = value
         values.append(v)
         pkg.ops.append_kv_paged(inp.kv_blocks, 0, k, v, inp, offsets)
         if i == 0:
