@@ -1,10 +1,11 @@
 """The slot cache's attention kernel on the CPU (spec/slot-cache.md §7.3), with Numba.
 
-:func:`attend_slots` is ``ops.varlen_attention`` for a step of any rows: per query (token, head)
-one pass for the largest score (``scale * q . k``, soft-capped to ``softcap * tanh(s / softcap)``
-when ``softcap`` is not 0; the head's sink logit included when there are sinks), one for the
-weights and the weighted values (a sink's weight joins the denominator, with no value), then
-the division, all in float32. Keys are read where the cache keeps them, with no gather:
+:func:`attend_slots` is ``ops.varlen_attention`` for a step of any rows, in float32: the scores
+``scale * q . k`` (soft-capped to ``softcap * tanh(s / softcap)`` when ``softcap`` is not 0),
+their largest (the head's sink logit included when there are sinks), the weights and the
+weighted values (a sink's weight joins the denominator, with no value), then the division,
+per query token and K/V head group in ``vecmath.attend_head``. Keys are read where the cache
+keeps them, with no gather:
 
 * a paged layer through the step's block table, flat row ``block_table[b, p // block_size] *
   block_size + p % block_size`` of the ``[num_blocks * block_size, kv_heads, head_dim]`` storage;
@@ -22,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .vecmath import SUMS, attend_head, head_scratch, value_of
+from .vecmath import attend_head, head_scratch, value_of
 
 __all__ = ["ATTENTION", "SLIDING", "CROSS", "attend_slots"]
 
@@ -30,7 +31,7 @@ __all__ = ["ATTENTION", "SLIDING", "CROSS", "attend_slots"]
 ATTENTION, SLIDING, CROSS = 0, 1, 2
 
 
-@njit(cache=True, nogil=True, fastmath=SUMS)
+@njit(cache=True, nogil=True)
 def attend_slots(K, V, q, cu, past, used, slots, block_table, block_size, plane_rows, kind, window, scale, softcap,
                  sinks, has_sinks, out):
     """float32 attention of ``q [T, q_heads, head_dim]`` into ``out`` (same shape, every row written).

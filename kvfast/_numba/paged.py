@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .vecmath import SUMS, attend_head, head_scratch, value_of
+from .vecmath import attend_head, head_scratch, value_of
 
 __all__ = ["scatter_paged", "attend_paged"]
 
@@ -52,7 +52,7 @@ def scatter_paged(kv, layer, k, v, pages, offsets):
                 kv[pg, 1, layer, o, h, d] = v[t, h, d]
 
 
-@njit(cache=True, nogil=True, fastmath=SUMS)
+@njit(cache=True, nogil=True)
 def attend_paged(kv, table, layer, q, lut, lengths, row_offsets, window, scale, out, scales, scaled, softcap,
                  sinks, has_sinks):
     """float32 attention of ``q [T, q_heads, head_dim]`` into the zeroed ``out`` (spec/manager.md §18.4).
