@@ -118,6 +118,11 @@ from hypothesis import given, strategies as st  # noqa: E402
 DIMS = [1, 15, 16, 17, 33, 64, 80, 128]
 
 
+def _poison(k, v, which: str, at, value) -> None:
+    """Write ``value`` at ``at`` of the history step's keys (``which="k"``) or values (``"v"``)."""
+    (k if which == "k" else v)[at] = value
+
+
 def _varlen_case(pkg, device, kv_heads, group, dim, dtype, window, softcap, sinks, rows, paged, seed, poison=None):
     """``varlen_attention`` of a second step (``rows[b] = (history, queries)``) through ``pkg``'s
     cache on ``device``: ``(output as NumPy, the V arrays appended)``, the same draws for every call.
@@ -136,8 +141,7 @@ def _varlen_case(pkg, device, kv_heads, group, dim, dtype, window, softcap, sink
         step = cache.prepare_step(cu, [int(cache.seq_lens()[s]) for s in slots], slots)
         k, v = (draw.standard_normal((int(cu[-1]), kv_heads, dim)).astype(np.float32) for _ in range(2))
         if i == 0 and poison is not None:
-            which, at, value = poison
-            (k if which == "k" else v)[at] = value
+            _poison(k, v, *poison)
         values.append(v)
         pkg.ops.append_kv(cache, 0, k, v, step)
         if i == 0:
@@ -169,8 +173,7 @@ def _paged_case(pkg, device, kv_heads, group, dim, dtype, softcap, sinks, rows, 
         offsets = np.concatenate([[0], np.cumsum([r[i] for r in rows])]).astype(np.int64)
         k, v = (draw.standard_normal((int(offsets[-1]), kv_heads, dim)).astype(np.float32) for _ in range(2))
         if i == 0 and poison is not None:
-            which, at, value = poison
-            (k if which == "k" else v)[at] = value
+            _poison(k, v, *poison)
         values.append(v)
         pkg.ops.append_kv_paged(inp.kv_blocks, 0, k, v, inp, offsets)
         if i == 0:
