@@ -25,12 +25,18 @@ overridden here, attention over float16 / bfloat16 / float32 storage included
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections import deque
+from itertools import repeat
+from operator import itemgetter
+from typing import Callable
 
 import numpy as np
 
 from kvref import ReferenceSlotEngine
 from kvspec import LayerKind, StepIndices
 from kvspec._dtypes import FP8_DTYPES, dtype_name, fp8_decode_table
+from kvspec.engine import STEP_OK
 
 from ._block_pool import BlockPool
 
@@ -83,19 +89,42 @@ def require_cuda(api: str, device_id: int):
 
 
 #: The slots of ``StepIndices`` (a frozen, slotted dataclass without ``__post_init__``), in field
-#: order, as their descriptors' setters.
-_STEP_SLOTS = tuple(getattr(StepIndices, f.name).__set__ for f in dataclasses.fields(StepIndices))
+#: order, and their descriptors' setter (one for every member descriptor).
+_STEP_SLOTS = tuple(getattr(StepIndices, f.name) for f in dataclasses.fields(StepIndices))
+_SET_SLOT = type(_STEP_SLOTS[0]).__set__
+#: Runs an iterator of side effects to its end at C speed.
+_consume = deque(maxlen=0).extend
 
 
 def _step_indices(*values) -> StepIndices:
-    """``StepIndices(*values)``, each slot set through its descriptor: the dataclass's generated
-    ``__init__`` sets the fourteen frozen fields with ``object.__setattr__``, about 1.7 us of a
-    16 us ``prepare_step`` against 1.1 us here (the object is the same; assignments still raise
-    ``FrozenInstanceError``; tests/test_slot_engine.py compares the two)."""
+    """``StepIndices(*values)``, each slot set through its descriptor in one C-level loop: the
+    dataclass's generated ``__init__`` sets the fourteen frozen fields with ``object.__setattr__``
+    (the object is the same; assignments still raise ``FrozenInstanceError``;
+    tests/test_slot_engine.py compares the two)."""
     step = object.__new__(StepIndices)
-    for put, value in zip(_STEP_SLOTS, values):
-        put(step, value)
+    _consume(map(_SET_SLOT, _STEP_SLOTS, repeat(step), values))
     return step
+
+
+@functools.lru_cache(maxsize=1024)
+def _index_views(n: int, t: int) -> tuple[Callable, int]:
+    """The nine int32 ``StepIndices`` arrays of a step of ``n`` rows and ``t`` tokens as views of
+    ``build_indices``' one buffer (``step.index_layout``): a getter of the nine slices, in the
+    buffer's order (``cu_q``, ``cu_k``, ``past``, ``used``, ``slot``, ``cross``, ``logits``, ``bi``,
+    ``pos``), and the buffer's length. Cached per shape, so a step of a seen shape slices in C."""
+    *ends, size = _step().index_layout(n, t)
+    bounds = [0, *ends, size]
+    return itemgetter(*(slice(a, b) for a, b in zip(bounds, bounds[1:]))), size
+
+
+def _host_step(views, max_q: int, max_k: int, slot_mapping, block_table, has_initial_state) -> StepIndices:
+    """``StepIndices`` of ``build_indices``' outputs (``views``: :func:`_index_views`' nine arrays)."""
+    cu_q, cu_k, past_o, used, slot_o, cross, logits, bi, pos = views
+    # (StepIndices' field order: cu_seqlens_q, past_len, seqused_k, cu_seqlens_k, max_seqlen_q,
+    # max_seqlen_k, slot_ids, batch_indices, positions, slot_mapping, block_table, has_initial_state,
+    # cross_seqused_k, logits_indices)
+    return _step_indices(cu_q, past_o, used, cu_k, max_q, max_k, slot_o, bi, pos, slot_mapping, block_table,
+                         has_initial_state, cross, logits)
 
 
 class ArrayWriteSets:
@@ -115,9 +144,8 @@ class ArrayWriteSets:
 
     def record(self, slot_ids: np.ndarray, step: StepIndices, block_size: int) -> None:
         sid = self._next
-        self._next += 1
-        slot_ids = slot_ids.copy()  # may be the caller's own int64 array, which it is free to reuse
-        self._steps[sid] = (slot_ids, step.slot_mapping, step.batch_indices, block_size)
+        self._next = sid + 1
+        self._steps[sid] = (step, block_size)   # the step's own arrays (its slot_ids: a copy of slot_ids)
         if slot_ids.shape[0] == 1:  # a one-row step (decode of one request): a scalar store
             self._step_of[slot_ids[0]] = sid
         else:
@@ -135,11 +163,12 @@ class ArrayWriteSets:
 
     def items(self):
         out = []
+        host = self._to_host
         for s in np.flatnonzero(self._step_of >= 0).tolist():
-            slots, sm, bi, bs = self._steps[int(self._step_of[s])]
-            row = int(np.flatnonzero(slots == s)[0])
-            blocks = self._to_host(sm) // bs
-            out.append((s, frozenset(int(x) for x in blocks[self._to_host(bi) == row])))
+            step, bs = self._steps[int(self._step_of[s])]
+            row = int(np.flatnonzero(host(step.slot_ids) == s)[0])
+            blocks = host(step.slot_mapping) // bs
+            out.append((s, frozenset(int(x) for x in blocks[host(step.batch_indices) == row])))
         return out
 
 
@@ -228,22 +257,42 @@ class FastSlotEngine(ReferenceSlotEngine):
                    max_seq_len: int) -> StepIndices:
         paged = table is not None
         n, t = slot_ids.shape[0], int(cu_seqlens_q[-1])
-        i32 = np.int32
+        views, size = _index_views(n, t)
         # the nine int32 arrays are views of one allocation, at the kernel's offsets (step.index_layout)
-        o_cu_k, o_past, o_used, o_slot, o_cross, o_logits, o_bi, o_pos, size = self._k.index_layout(n, t)
-        out, sm, init = np.empty(size, i32), np.empty(t, np.int64), np.empty(n, np.bool_)
-        rows = np.empty((n, table.shape[1]), i32) if paged else self._empty_table
+        out, sm, init = np.empty(size, np.int32), np.empty(t, np.int64), np.empty(n, np.bool_)
+        rows = np.empty((n, table.shape[1]), np.int32) if paged else self._empty_table
         max_q, max_k = self._k.build_indices(
             cu_seqlens_q, past_len, slot_ids, table if paged else self._empty_table, enc_lens, block_size,
             max_seq_len, paged, out, sm, init, rows)
-        cu_q, cu_k, past_o, used = out[:o_cu_k], out[o_cu_k:o_past], out[o_past:o_used], out[o_used:o_slot]
-        slot_o, cross, logits = out[o_slot:o_cross], out[o_cross:o_logits], out[o_logits:o_bi]
-        bi, pos = out[o_bi:o_pos], out[o_pos:]
-        # (StepIndices' field order: cu_seqlens_q, past_len, seqused_k, cu_seqlens_k, max_seqlen_q,
-        # max_seqlen_k, slot_ids, batch_indices, positions, slot_mapping, block_table, has_initial_state,
-        # cross_seqused_k, logits_indices)
-        return _step_indices(cu_q, past_o, used, cu_k, int(max_q), int(max_k), slot_o, bi, pos, sm,
-                             rows if paged else None, init, cross, logits)
+        return self._device_step(_host_step(views(out), max_q, max_k, sm, rows if paged else None, init))
+
+    def plan_step(self, cu_seqlens_q, past_len, slot_ids, seq_lens, nblk, table, enc_lens, max_seqs: int,
+                  max_seq_len: int, block_size: int):
+        n, t = slot_ids.shape[0], int(cu_seqlens_q[-1])
+        if not 0 < t <= n * max_seq_len:
+            # no valid step of rows has this many tokens (each row adds at most max_seq_len), or there
+            # are no rows: nothing to size buffers by, the composed calls find the offender
+            return ReferenceSlotEngine.plan_step(self, cu_seqlens_q, past_len, slot_ids, seq_lens, nblk, table,
+                                                 enc_lens, max_seqs, max_seq_len, block_size)
+        paged = table is not None
+        views, size = _index_views(n, t)
+        out, sm, init = np.empty(size, np.int32), np.empty(t, np.int64), np.empty(n, np.bool_)
+        add = np.empty(n, np.int64)
+        rows = np.empty((n, table.shape[1]), np.int32) if paged else self._empty_table
+        self._gen += 1
+        code, i, j, total, max_q, max_k = self._k.plan_indices(
+            cu_seqlens_q, past_len, slot_ids, seq_lens, max_seqs, max_seq_len, self._mark, self._first, self._gen,
+            nblk, block_size, add, table if paged else self._empty_table, enc_lens, paged, out, sm, init, rows)
+        if code != STEP_OK:
+            return code, i, j, None, 0, None
+        if total:
+            return code, 0, 0, add, total, None
+        step = _host_step(views(out), max_q, max_k, sm, rows if paged else None, init)
+        return code, 0, 0, add if paged else None, 0, self._device_step(step)
+
+    def _device_step(self, step: StepIndices) -> StepIndices:
+        """A host step on this engine's device: the host arrays themselves on the CPU."""
+        return step
 
     # ------------------------------------------------------------------ copy kernels (ops)
 
@@ -393,14 +442,12 @@ class CudaSlotEngine(FastSlotEngine):
     def to_host(self, x) -> np.ndarray:
         return self._cp.asnumpy(x) if isinstance(x, self._cp.ndarray) else np.asarray(x)
 
-    def build_step(self, cu_seqlens_q, past_len, slot_ids, table, enc_lens, block_size: int,
-                   max_seq_len: int) -> StepIndices:
-        step = super().build_step(cu_seqlens_q, past_len, slot_ids, table, enc_lens, block_size, max_seq_len)
+    def _device_step(self, step: StepIndices) -> StepIndices:
         cp = self._cp
         with cp.cuda.Device(self._dev):
-            moved = {f.name: (cp.asarray(getattr(step, f.name)) if isinstance(getattr(step, f.name), np.ndarray)
-                              else getattr(step, f.name)) for f in dataclasses.fields(step)}
-        return _step_indices(*moved.values())
+            moved = [cp.asarray(v) if isinstance(v, np.ndarray) else v
+                     for v in (getattr(step, f.name) for f in dataclasses.fields(step))]
+        return _step_indices(*moved)
 
     def kv_input(self, api: str, name: str, x, storage_dtype, logical_dtype: str):
         from ._cuda.convert import to_device_storage

@@ -827,19 +827,20 @@ class KVCache:
             raise ValueError(f"{api}: len(cu_seqlens_q)={cu.shape[0]} != len(slot_ids)+1={B + 1}")
         if past.shape[0] != B:
             raise ValueError(f"{api}: len(past_len)={past.shape[0]} != len(slot_ids)={B}")
-        cfg, engine = self._config, self._engine
-        # spec/slot-cache.md §2.8: the engine finds the first offender in the spec's check order; the message is ours.
-        code, i, j = engine.check_step(cu, past, slots, self._seq, cfg.max_seqs, cfg.max_seq_len)
+        cfg = self._config
+        # spec/slot-cache.md §2.8: the engine finds the first offender in the spec's check order; the message is
+        # ours. One engine call checks the step, counts its new blocks and, when it needs none, builds it.
+        code, i, j, add, total, step = self._engine.plan_step(
+            cu, past, slots, self._seq, self._nblk, self._table, self._enc, cfg.max_seqs, cfg.max_seq_len,
+            cfg.block_size)
         if code != STEP_OK:
             self._raise_step(api, code, cu, past, slots, i, j)
+        if step is None:  # paged, and the step needs `total` new blocks: all or nothing, then its indices
+            self._grow(api, slots, add, total)
+            step = self._engine.build_step(cu, past, slots, self._table, self._enc, cfg.block_size, cfg.max_seq_len)
         if self._paged:
-            add, total = engine.step_blocks_needed(cu, past, slots, self._nblk, cfg.block_size)
-            if total:
-                self._grow(api, slots, add, total)
-            step = engine.build_step(cu, past, slots, self._table, self._enc, cfg.block_size, cfg.max_seq_len)
             self._write_sets.record(slots, step, cfg.block_size)
-            return step
-        return engine.build_step(cu, past, slots, None, self._enc, cfg.block_size, cfg.max_seq_len)
+        return step
 
     def _raise_step(self, api: str, code: int, cu, past, slots, i: int, j: int) -> None:
         """The message of ``check_step``'s finding (spec/slot-cache.md §2.8, in check order)."""

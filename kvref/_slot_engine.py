@@ -206,6 +206,19 @@ class ReferenceSlotEngine:
         return build_step_indices(cu_seqlens_q, past_len, slot_ids, max_seq_len=max_seq_len,
                                   block_size=block_size, block_table=table, enc_lens=enc_lens)
 
+    def plan_step(self, cu_seqlens_q, past_len, slot_ids, seq_lens, nblk, table, enc_lens, max_seqs: int,
+                  max_seq_len: int, block_size: int):
+        code, i, j = self.check_step(cu_seqlens_q, past_len, slot_ids, seq_lens, max_seqs, max_seq_len)
+        if code != STEP_OK:
+            return code, i, j, None, 0, None
+        add, total = None, 0
+        if table is not None:
+            add, total = self.step_blocks_needed(cu_seqlens_q, past_len, slot_ids, nblk, block_size)
+            if total:
+                return code, 0, 0, add, total, None
+        step = self.build_step(cu_seqlens_q, past_len, slot_ids, table, enc_lens, block_size, max_seq_len)
+        return code, 0, 0, add, total, step
+
     # ------------------------------------------------------------------ copy kernels (ops)
 
     def kv_input(self, api: str, name: str, x, storage_dtype, logical_dtype: str):

@@ -306,6 +306,12 @@ class SlotKVCache(Cache):
         self._auto: dict = {}                   # (batch, q_len) -> the index arrays of a generate step
         self._pending: Optional[int] = None     # the layer whose K/V the last update appended
         self._done: list = []
+        self._np_write = False                  # update writes the host storage itself (set at allocation)
+        self._one = None                        # (p, p + 1) of an open one-token forward of slot 0
+        self._chunk = None                      # (first, end, storage rows) of slot 0's prepared block
+        self._rowwise = False                   # the open forward's later layers copy one row by address
+        self._wrow_at = 0                       # (then) that row's byte offset in every layer's storage
+        self._shape = None                      # every layer's K/V shape of the open forward
         if dtype is not None:
             if self.max_batch_size is None:
                 raise ValueError(f"{api}: dtype={dtype} needs max_batch_size to allocate at once")
@@ -349,6 +355,9 @@ class SlotKVCache(Cache):
         self._kw = [_host_words(self._kv.keys(i)) for i in range(self.num_layers)]
         self._vw = [_host_words(self._kv.values(i)) for i in range(self.num_layers)]
         self._host = all(w is not None for w in self._kw + self._vw)
+        self._np_write = self.scatter == "torch" and self._host   # update writes the storage itself
+        self._slot0 = np.zeros(1, np.int64)        # slot_ids of a one-token forward of slot 0
+        self._chunk = None
         self._bf16 = dtype is torch.bfloat16
         # A contiguous decode row of K/V is copied into its storage row by address (``ctypes.memmove``,
         # no torch -> NumPy conversion): per layer the K / V base addresses, and the row size.
@@ -442,6 +451,11 @@ class SlotKVCache(Cache):
         api = "SlotKVCache.update"
         B, _, S, _ = key_states.shape
         packed = self._packed is not None
+        self._varlen = _attn_implementation(self._config) == ATTENTION_NAME
+        self._one = None
+        if B * S == 1 and not packed and not self._varlen and self._np_write and self._decode_one():
+            return
+        self._chunk = None
         if packed:
             rows, q = self._packed
             self._packed = None
@@ -459,7 +473,6 @@ class SlotKVCache(Cache):
                                               np.arange(B + 1, dtype=np.int64) * S)
             rows, q, cu = shape
             past = self._lengths[:B].copy()
-        self._varlen = _attn_implementation(self._config) == ATTENTION_NAME
         if not self._varlen and (packed or (B > 1 and np.any(past != past[0]))):
             raise ValueError(f"{api}: packed rows and rows of unequal lengths need "
                              f"attn_implementation={ATTENTION_NAME!r} (the model runs "
@@ -472,8 +485,10 @@ class SlotKVCache(Cache):
         self._sm_np = sm = sm if sm.dtype == np.int64 else sm.astype(np.int64)
         self._sm = None                        # its torch twin, made if a torch write needs it
         self._shape = (B, self.kv_heads, S, self.head_dim)   # every layer's K/V of this step
-        self._wrow = int(sm[0]) if B * S == 1 else None       # a one-token step's storage row
-        self._np_write = self.scatter == "torch" and self._host
+        self._wrow = row = int(sm[0]) if B * S == 1 else None   # a one-token step's storage row
+        # the later layers of a one-token host step take update's by-address path (a real row: >= 0)
+        self._rowwise = self._np_write and row is not None and row >= 0
+        self._wrow_at = row * self._row_bytes if self._rowwise else 0
         if not self._varlen:
             p0 = int(past[0])
             self._span = (p0, p0 + S)          # every row's positions of this step
@@ -506,9 +521,59 @@ class SlotKVCache(Cache):
                 else:
                     run[:B] = False
 
+    def _decode_one(self) -> bool:
+        """Open a one-token forward of slot 0 (batch 1, sdpa, host storage written by ``update``) on
+        the slot's current block chunk; False where it needs the general path (which then runs).
+
+        A chunk is one ``prepare_step`` of the tokens left in the block that holds position ``p``
+        (at most ``block_size``, never past ``max_seq_len``): it reserves that block and lists the
+        storage rows of those positions (``step.slot_mapping``). Each one-token forward inside the
+        chunk writes the next row and commits it with ``update_position`` (``spec/slot-cache.md``
+        §2.6: a prepared step may be committed in part), so the slot cache's validation, reservation
+        and slot mapping run once per block, not once per token. The chunk holds only while slot 0
+        is followed step by step: its length is read back from the slot cache (``seq_lens()``) every
+        forward, and every path that changes a slot here (another step shape, ``crop``, ``reset``,
+        ``release``, ``admit``, a reorder) drops it.
+        """
+        p = int(self._lengths[0])
+        chunk = self._chunk
+        if self.mode == "paged" and self._flat_ok[0] != p:
+            return False              # rows not followed step by step: the general path catches up
+        if chunk is None or not chunk[0] <= p < chunk[1] or int(self._kv.seq_lens()[0]) != p:
+            if p >= self.max_seq_len:
+                return False          # the general path raises prepare_step's CapacityError
+            q = min(self.block_size - p % self.block_size, self.max_seq_len - p)
+            step = self._kv.prepare_step(np.array([0, q]), np.array([p]), self._slot0)
+            self._chunk = chunk = (p, p + q, step.slot_mapping.tolist())
+        row = chunk[2][p - chunk[0]]
+        self._step, self._one = None, (p, p + 1)
+        self._rows, self._past, self._q = self._slot0, None, None
+        self._done = [False] * self.num_layers
+        self._sm_np = self._sm = None          # made from `_wrow` if a later layer's write needs them
+        self._shape = (1, self.kv_heads, 1, self.head_dim)
+        self._wrow = row
+        self._rowwise = True
+        self._wrow_at = row * self._row_bytes
+        self._span = (p, p + 1)
+        self._hist = {}
+        self._r0 = None
+        if self.mode == "paged":      # the row follows the previous position's, or the history gathers
+            flat, run = self._flat, self._run
+            flat[0, p] = row
+            self._flat_ok[0] = p + 1
+            r = not p or bool(run[0] and row == flat[0, p - 1] + 1)
+            run[0] = r
+            if r:
+                self._r0 = int(flat[0, 0])
+        return True
+
     def _commit(self) -> None:
         """Close the forward: every row's new length, committed with ``update_position``."""
-        if self._rows.size == 1:
+        if self._one is not None:      # a one-token forward of slot 0 (``_decode_one``)
+            m = self._one[1]
+            self._kv.update_position(0, m)
+            self._lengths[0] = m
+        elif self._rows.size == 1:
             slot, m = int(self._rows[0]), int(self._past[0]) + int(self._q[0])
             self._kv.update_position(slot, m)
             self._lengths[slot] = m
@@ -518,6 +583,7 @@ class SlotKVCache(Cache):
                 self._kv.update_position(slot, m)
             self._lengths[self._rows] = n
         self._written = 0
+        self._rowwise = False
 
     def _history(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the step's rows after the append: ``[B, kv_heads, n - offset, head_dim]``."""
@@ -588,6 +654,23 @@ class SlotKVCache(Cache):
         Layer 0 always opens a forward: one that raised before its last layer is dropped (its
         lengths were never committed, so the K/V it wrote are overwritten later).
         """
+        k, v, shape, dt = key_states, value_states, self._shape, self._dtype
+        if (self._rowwise and 0 < layer_idx < self.num_layers and not self._done[layer_idx] and k.shape == shape
+                and v.shape == shape and k.dtype is dt and v.dtype is dt and k.is_cpu and v.is_cpu
+                and k.is_contiguous() and v.is_contiguous() and not k.requires_grad and not v.requires_grad):
+            # The next layer of an open one-token host forward (``_begin`` set ``_rowwise``): both rows
+            # dense on the host in the storage's dtype, [1, H, 1, D] copied by address into the step's
+            # storage row (a real token's, never padding). Every other call takes ``_update``.
+            self._done[layer_idx] = True
+            k_at, v_at = self._addr[layer_idx]
+            at, nbytes = self._wrow_at, self._row_bytes
+            _memmove(k_at + at, k.data_ptr(), nbytes)
+            _memmove(v_at + at, v.data_ptr(), nbytes)
+            return self._appended(k, v, layer_idx)
+        return self._update(key_states, value_states, layer_idx)
+
+    def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
+        """:meth:`update`'s general path: opens a forward at its first layer, checks, writes."""
         if self._written and layer_idx == 0:
             self._written = 0   # a forward that raised before its last layer: dropped, nothing committed
         if self._written == 0:
@@ -610,9 +693,10 @@ class SlotKVCache(Cache):
         shape = key_states.shape
         if shape != self._shape:               # (the step's own shape passes without a second look)
             B, H, S, D = shape
-            if shape != (B, self.kv_heads, S, self.head_dim) or B * S != self._step.num_tokens:
+            tokens = self._shape[0] * self._shape[2]
+            if shape != (B, self.kv_heads, S, self.head_dim) or B * S != tokens:
                 raise ValueError(f"SlotKVCache.update: key_states.shape={tuple(shape)}, the step needs "
-                                 f"{self._step.num_tokens} tokens of [{self.kv_heads}, {self.head_dim}]")
+                                 f"{tokens} tokens of [{self.kv_heads}, {self.head_dim}]")
         kn, by_address = None, False
         row = self._wrow
         if (row is not None and row >= 0 and self._np_write and value_states.shape == shape
@@ -653,11 +737,16 @@ class SlotKVCache(Cache):
             v = value_states.transpose(1, 2).reshape(B * S, H, D)
             if self.scatter == "torch":        # the same binding through torch
                 if self._sm is None:
-                    self._sm = torch.from_numpy(self._sm_np)
+                    self._sm = torch.from_numpy(self._sm_np if self._sm_np is not None
+                                                else np.array([self._wrow], np.int64))
                 self._keys[layer_idx].view(-1, H, D).index_copy_(0, self._sm, k)
                 self._values[layer_idx].view(-1, H, D).index_copy_(0, self._sm, v)
             else:
                 self._pkg.ops.append_kv(self._kv, layer_idx, k, v, self._step)
+        return self._appended(key_states, value_states, layer_idx)
+
+    def _appended(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
+        """Layer ``layer_idx``'s K/V are written: what its attention reads; the last layer commits."""
         self._written += 1
         self._pending = layer_idx                          # the layer kvcache_attention may read next
         _ACTIVE.set(self)
@@ -700,6 +789,7 @@ class SlotKVCache(Cache):
             self._kv.evict_batch(int(slot))
         self._lengths[int(slot)] = 0
         self._flat_ok[int(slot)] = 0
+        self._chunk = None                     # slot 0's prepared block chunk, if any, is stale
 
     def admit(self, slot: int, prompt: Sequence[int]) -> int:
         """Paged: adopt the longest cached prefix of ``prompt`` into the empty ``slot``; return its length.
@@ -718,6 +808,7 @@ class SlotKVCache(Cache):
         hit = int(self._kv.admit(int(slot), np.asarray(list(prompt), dtype=np.int64)))
         self._lengths[int(slot)] = hit
         self._flat_ok[int(slot)] = 0
+        self._chunk = None                     # slot 0's prepared block chunk, if any, is stale
         return hit
 
     def reset(self) -> None:
@@ -726,7 +817,7 @@ class SlotKVCache(Cache):
             self._kv.reset()
             self._lengths[:] = 0
             self._flat_ok[:] = 0
-        self._written, self._packed = 0, None
+        self._written, self._packed, self._rowwise, self._chunk = 0, None, False, None
 
     def crop(self, tokens_to_remove: int) -> None:
         """Roll every slot back by ``-tokens_to_remove`` tokens (``update_position``), as ``DynamicCache.crop``.
@@ -749,6 +840,7 @@ class SlotKVCache(Cache):
             self._lengths[slot] += n
             self._kv.update_position(slot, int(self._lengths[slot]))
         np.minimum(self._flat_ok, self._lengths, out=self._flat_ok)
+        self._chunk = None
 
     def _rewrite(self, rows: Sequence[int]) -> None:
         """New slot ``i`` holds what old slot ``rows[i]`` held (beam search, ``num_return_sequences``)."""
@@ -788,6 +880,7 @@ class SlotKVCache(Cache):
             self._kv.update_position(slot, n)
         self._lengths[:B] = n
         self._flat_ok[:] = 0
+        self._chunk = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row ``i`` takes old row ``beam_idx[i]``'s K/V (beam search; a copy of the histories)."""

@@ -3,7 +3,9 @@
 ``check_step`` validates a step in the reference's order and reports the
 first offender as a code; ``grow_rows`` appends freshly allocated blocks to
 the rows' table entries; ``build_indices`` writes every ``StepIndices``
-array in one pass. No per-token Python work: one call each per step.
+array in one pass; ``plan_indices`` is the three of a step that needs no
+new block (check, block count, indices) as one call. No per-token Python
+work: one call each per step.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from kvspec.engine import (
 __all__ = [
     "OK", "CU0", "NOT_INCREASING", "SLOT_RANGE", "SLOT_DUP", "PAST_MISMATCH", "CAPACITY", "TOTAL",
     "check_step", "check_slots", "blocks_needed", "step_blocks_needed", "grow_rows", "index_layout",
-    "build_indices",
+    "build_indices", "plan_indices",
 ]
 
 # Result codes of check_step / check_slots are the engine protocol's (kvspec.engine); the
@@ -193,3 +195,23 @@ def build_indices(cu, past, slots, table, enc, block_size, max_seq_len, paged, o
             else:
                 sm[t] = np.int64(s) * max_seq_len + p
     return max_q, max_k
+
+
+@njit(cache=True)
+def plan_indices(cu, past, slots, seq, max_seqs, max_seq_len, mark, first, gen, nblk, block_size, add, table, enc,
+                 paged, out, sm, init, rows):
+    """``check_step``, then (``paged``) ``step_blocks_needed`` into ``add``, then, when no row needs a
+    new block, ``build_indices`` into the caller's buffers: ``SlotEngine.plan_step`` in one dispatch.
+
+    Returns ``(code, i, j, total, max_seqlen_q, max_seqlen_k)``: ``code != OK`` is the finding
+    (nothing written but the scratch); ``total > 0`` means nothing was built.
+    """
+    code, i, j = check_step(cu, past, slots, seq, max_seqs, max_seq_len, mark, first, gen)
+    if code != OK:
+        return code, i, j, 0, 0, 0
+    if paged:
+        total = step_blocks_needed(cu, past, slots, nblk, block_size, add)
+        if total:
+            return code, 0, 0, total, 0, 0
+    max_q, max_k = build_indices(cu, past, slots, table, enc, block_size, max_seq_len, paged, out, sm, init, rows)
+    return code, 0, 0, 0, max_q, max_k

@@ -149,6 +149,26 @@ def test_prepare_step_errors(kv_backend, kv_oracle, mode):
     p.agree()
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_prepared_rows_stay_until_evicted(kv_backend, kv_oracle, mode):
+    # spec/slot-cache.md §2.8: a 3-token step prepared once, committed one token at a time; each
+    # one-token step then maps its position to the row the first step gave it, allocating nothing.
+    p = _pair(kv_backend, kv_oracle, mode)
+    p.write(1, 1, seed=2)
+    ref, chunk = p.ok("cache.prepare_step([0, 3], [1], [1])",
+                      lambda c, o: c.prepare_step(_i32([0, 3]), _i32([1]), _i32([1])))
+    rows = to_numpy(chunk.slot_mapping).tolist()
+    for j in range(3):
+        free = len(p.sut._free_order()) if mode is KVCacheMode.PAGED else 0
+        ref, got = p.ok(f"cache.prepare_step([0, 1], [{1 + j}], [1])",
+                        lambda c, o, j=j: c.prepare_step(_i32([0, 1]), _i32([1 + j]), _i32([1])))
+        assert to_numpy(got.slot_mapping).tolist() == [rows[j]], f"position {1 + j} moved"
+        if mode is KVCacheMode.PAGED:
+            assert len(p.sut._free_order()) == free, "a prepared position allocated again"
+        p.ok(f"cache.update_position(1, {2 + j})", lambda c, o, j=j: c.update_position(1, 2 + j))
+    p.agree()
+
+
 def test_failed_reservation_is_atomic(kv_backend, kv_oracle):
     # 4 usable blocks of 2 tokens; slot 0 takes 2, then a step needing 3 more must fail whole.
     p = _pair(kv_backend, kv_oracle, num_blocks=5)

@@ -147,6 +147,19 @@ class SlotEngine(Protocol):
         """``StepIndices`` of a validated step (``spec/slot-cache.md`` §3) on :attr:`device`;
         ``table`` is the host block table after reservation, None when contiguous."""
 
+    def plan_step(self, cu_seqlens_q: np.ndarray, past_len: np.ndarray, slot_ids: np.ndarray,
+                  seq_lens: np.ndarray, nblk: np.ndarray, table: np.ndarray | None, enc_lens: np.ndarray,
+                  max_seqs: int, max_seq_len: int,
+                  block_size: int) -> tuple[int, int, int, np.ndarray | None, int, StepIndices | None]:
+        """:meth:`check_step`, then (paged: ``table`` not None) :meth:`step_blocks_needed`, then, when
+        the step needs no new block, :meth:`build_step`: a prepared step in one call, its result
+        ``(code, i, j, add, total, step)`` equal to those calls' in that order.
+
+        ``code != STEP_OK``: ``(code, i, j)`` is the finding, ``add``/``step`` None, ``total`` 0.
+        Paged with ``total > 0``: ``add``/``total`` as :meth:`step_blocks_needed`, ``step`` None
+        (the policy checks the free count, grows and calls :meth:`build_step`). Otherwise
+        ``step`` is :meth:`build_step`'s (``add`` None when contiguous). Nothing is mutated."""
+
     # ------------------------------------------------------------------ copy kernels (ops)
 
     def kv_input(self, api: str, name: str, x: Any, storage_dtype: np.dtype, logical_dtype: str) -> Any:
