@@ -257,10 +257,7 @@ class FastSlotEngine(ReferenceSlotEngine):
                    max_seq_len: int) -> StepIndices:
         paged = table is not None
         n, t = slot_ids.shape[0], int(cu_seqlens_q[-1])
-        views, size = _index_views(n, t)
-        # the nine int32 arrays are views of one allocation, at the kernel's offsets (step.index_layout)
-        out, sm, init = np.empty(size, np.int32), np.empty(t, np.int64), np.empty(n, np.bool_)
-        rows = np.empty((n, table.shape[1]), np.int32) if paged else self._empty_table
+        views, out, sm, init, rows = self._step_buffers(n, t, table)
         max_q, max_k = self._k.build_indices(
             cu_seqlens_q, past_len, slot_ids, table if paged else self._empty_table, enc_lens, block_size,
             max_seq_len, paged, out, sm, init, rows)
@@ -275,10 +272,8 @@ class FastSlotEngine(ReferenceSlotEngine):
             return ReferenceSlotEngine.plan_step(self, cu_seqlens_q, past_len, slot_ids, seq_lens, nblk, table,
                                                  enc_lens, max_seqs, max_seq_len, block_size)
         paged = table is not None
-        views, size = _index_views(n, t)
-        out, sm, init = np.empty(size, np.int32), np.empty(t, np.int64), np.empty(n, np.bool_)
+        views, out, sm, init, rows = self._step_buffers(n, t, table)
         add = np.empty(n, np.int64)
-        rows = np.empty((n, table.shape[1]), np.int32) if paged else self._empty_table
         self._gen += 1
         code, i, j, total, max_q, max_k = self._k.plan_indices(
             cu_seqlens_q, past_len, slot_ids, seq_lens, max_seqs, max_seq_len, self._mark, self._first, self._gen,
@@ -289,6 +284,14 @@ class FastSlotEngine(ReferenceSlotEngine):
             return code, 0, 0, add, total, None
         step = _host_step(views(out), max_q, max_k, sm, rows if paged else None, init)
         return code, 0, 0, add if paged else None, 0, self._device_step(step)
+
+    def _step_buffers(self, n: int, t: int, table):
+        """``build_indices``' outputs for ``n`` rows and ``t`` tokens: the getter of the nine int32 views
+        and their one buffer (at the kernel's offsets, step.index_layout), ``slot_mapping``,
+        ``has_initial_state`` and the block-table rows (paged; the placeholder when contiguous)."""
+        views, size = _index_views(n, t)
+        rows = np.empty((n, table.shape[1]), np.int32) if table is not None else self._empty_table
+        return views, np.empty(size, np.int32), np.empty(t, np.int64), np.empty(n, np.bool_), rows
 
     def _device_step(self, step: StepIndices) -> StepIndices:
         """A host step on this engine's device: the host arrays themselves on the CPU."""

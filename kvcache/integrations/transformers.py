@@ -307,7 +307,7 @@ class SlotKVCache(Cache):
         self._pending: Optional[int] = None     # the layer whose K/V the last update appended
         self._done: list = []
         self._np_write = False                  # update writes the host storage itself (set at allocation)
-        self._one = None                        # (p, p + 1) of an open one-token forward of slot 0
+        self._one = None                        # the length an open one-token forward of slot 0 commits
         self._chunk = None                      # (first, end, storage rows) of slot 0's prepared block
         self._rowwise = False                   # the open forward's later layers copy one row by address
         self._wrow_at = 0                       # (then) that row's byte offset in every layer's storage
@@ -501,14 +501,8 @@ class SlotKVCache(Cache):
                         flat[b, :p0] = blocks * self.block_size + pos % self.block_size
                         run[b] = bool(np.all(np.diff(flat[b, :p0]) == 1))
                 self._r0 = None
-                if B * S == 1:   # a decode token: its storage row follows the previous one, or not
-                    row = self._wrow
-                    flat[0, p0] = row
-                    ok[0] = p0 + 1
-                    r = not p0 or bool(run[0] and row == flat[0, p0 - 1] + 1)
-                    run[0] = r
-                    if r:
-                        self._r0 = int(flat[0, 0])
+                if B * S == 1:   # a decode token
+                    self._follow_row(p0, self._wrow)
                     return
                 flat[:B, p0:p0 + S] = sm.reshape(B, S)
                 ok[:B] = p0 + S
@@ -529,7 +523,7 @@ class SlotKVCache(Cache):
         (at most ``block_size``, never past ``max_seq_len``): it reserves that block and lists the
         storage rows of those positions (``step.slot_mapping``). Each one-token forward inside the
         chunk writes the next row and commits it with ``update_position`` (``spec/slot-cache.md``
-        §2.6: a prepared step may be committed in part), so the slot cache's validation, reservation
+        §2.8: a step's rows stay its rows), so the slot cache's validation, reservation
         and slot mapping run once per block, not once per token. The chunk holds only while slot 0
         is followed step by step: its length is read back from the slot cache (``seq_lens()``) every
         forward, and every path that changes a slot here (another step shape, ``crop``, ``reset``,
@@ -546,7 +540,7 @@ class SlotKVCache(Cache):
             step = self._kv.prepare_step(np.array([0, q]), np.array([p]), self._slot0)
             self._chunk = chunk = (p, p + q, step.slot_mapping.tolist())
         row = chunk[2][p - chunk[0]]
-        self._step, self._one = None, (p, p + 1)
+        self._step, self._one = None, p + 1
         self._rows, self._past, self._q = self._slot0, None, None
         self._done = [False] * self.num_layers
         self._sm_np = self._sm = None          # made from `_wrow` if a later layer's write needs them
@@ -557,20 +551,25 @@ class SlotKVCache(Cache):
         self._span = (p, p + 1)
         self._hist = {}
         self._r0 = None
-        if self.mode == "paged":      # the row follows the previous position's, or the history gathers
-            flat, run = self._flat, self._run
-            flat[0, p] = row
-            self._flat_ok[0] = p + 1
-            r = not p or bool(run[0] and row == flat[0, p - 1] + 1)
-            run[0] = r
-            if r:
-                self._r0 = int(flat[0, 0])
+        if self.mode == "paged":
+            self._follow_row(p, row)
         return True
+
+    def _follow_row(self, p: int, row: int) -> None:
+        """Paged, slot 0 at position ``p`` (every earlier row followed): position ``p`` sits in storage
+        row ``row``; the history is a view from ``_r0`` while the rows stay consecutive, else a gather."""
+        flat, run = self._flat, self._run
+        flat[0, p] = row
+        self._flat_ok[0] = p + 1
+        r = not p or bool(run[0] and row == flat[0, p - 1] + 1)
+        run[0] = r
+        if r:
+            self._r0 = int(flat[0, 0])
 
     def _commit(self) -> None:
         """Close the forward: every row's new length, committed with ``update_position``."""
         if self._one is not None:      # a one-token forward of slot 0 (``_decode_one``)
-            m = self._one[1]
+            m = self._one
             self._kv.update_position(0, m)
             self._lengths[0] = m
         elif self._rows.size == 1:
